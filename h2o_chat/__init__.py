@@ -1,6 +1,7 @@
 """h2o-chat: a local chat whose KV cache is managed by H2O (Heavy-Hitter Oracle)."""
 
 from .cache import H2OCache
+from .model import ModelLoadError, load_model
 from .policy import CacheConfig
 
-__all__ = ["H2OCache", "CacheConfig"]
+__all__ = ["H2OCache", "CacheConfig", "load_model", "ModelLoadError"]

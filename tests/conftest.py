@@ -1,10 +1,15 @@
-"""A tiny random-weight LLaMA with GQA (4 query heads, 2 KV heads): fast, seeded, and small
+"""Shared fixtures. A tiny random-weight LLaMA with GQA (4 query heads, 2 KV heads): fast, seeded, and small
 enough for the slow reference. Each test gets a fresh model: H2OCache switches a model's
 attention implementation, and comparisons against DynamicCache want an untouched one."""
 
+import time
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from h2o_chat.model import default_model_folder, load_model
 
 
 def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, **overrides):
@@ -28,3 +33,43 @@ def tiny_llama64():
     """float64, for tests that compare which tokens are kept: ranking by scores that differ
     only by float32 rounding noise would make exact-set comparisons flaky."""
     return make_tiny_llama(torch.float64)
+
+
+def save_tiny_llama(folder):
+    """A random 2-layer GQA LLaMA with a byte-level tokenizer (256 tokens = 256 bytes)."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # No eos: generate always runs the full max_new_tokens, so lengths can be asserted exactly.
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
+    model.save_pretrained(folder)
+
+    byte_vocab = {symbol: i for i, symbol in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def embedded_conversion():
+    """Loads the embedded default once per session, converting it if this machine never has."""
+    folder = default_model_folder()
+    converted = not (folder / "config.json").is_file()
+    start = time.perf_counter()
+    model, tokenizer = load_model()
+    return {"model": model, "tokenizer": tokenizer, "folder": folder, "converted": converted,
+            "seconds": time.perf_counter() - start}
+
+
+@pytest.fixture(scope="session")
+def embedded_model(embedded_conversion):
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, shared by the whole session."""
+    return embedded_conversion["model"], embedded_conversion["tokenizer"]

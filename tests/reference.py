@@ -3,7 +3,8 @@ rows, KV heads and queries, Python lists for the cache and Python sorting for ev
 
 It reuses the model's projections, norms and MLPs (they are not what is being tested) and
 re-implements everything a cache policy touches: which tokens each head keeps, their scores,
-and the RoPE positions their keys are used at (always rotated fresh from the raw key).
+and the RoPE positions their keys are used at (always rotated fresh from the raw key, where
+H2OCache re-rotates keys it holds).
 """
 
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ class Entry:
     token_id: int
     raw_key: torch.Tensor  # [head_dim], before RoPE
     value: torch.Tensor  # [head_dim]
+    position: int  # RoPE position its key is used at (= token_id until a rolling re-lay)
     score: float = 0.0
     queries: int = 0
 
@@ -49,14 +51,6 @@ class ReferenceH2O:
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[half:], x[:half]]) * sin
 
-    def key_positions(self, entries, first_query_pos):
-        """RoPE position of each cached entry when queries start at first_query_pos."""
-        if self.positions == "absolute":
-            return [e.token_id for e in entries]
-        ranked = sorted(entries, key=lambda e: e.token_id)
-        rank = {e.token_id: r for r, e in enumerate(ranked)}
-        return [first_query_pos - len(entries) + rank[e.token_id] for e in entries]
-
     @torch.no_grad()
     def forward(self, input_ids):
         """input_ids [batch, n] -> logits [batch, n, vocab]; processed in chunks like H2OCache."""
@@ -85,10 +79,9 @@ class ReferenceH2O:
                 for kh in range(self.n_kv):
                     entries = self.entries[li][bi][kh]
                     old = len(entries)
-                    positions = self.key_positions(entries, p0)
-                    keys = [self.rope(e.raw_key, pos) for e, pos in zip(entries, positions)]
+                    keys = [self.rope(e.raw_key, e.position) for e in entries]
                     for j in range(n):
-                        entries.append(Entry(p0 + j, k[bi, j, kh], v[bi, j, kh]))
+                        entries.append(Entry(p0 + j, k[bi, j, kh], v[bi, j, kh], position=p0 + j))
                         keys.append(self.rope(k[bi, j, kh], p0 + j))
                     mass = [[0.0] * len(entries) for _ in range(n)]  # [query][entry]
                     for qh in range(kh * group, (kh + 1) * group):
@@ -130,17 +123,22 @@ class ReferenceH2O:
 
         kept = [e for e in entries if protected(e)]
         rest = sorted((e for e in entries if not protected(e)), key=lambda e: (self.priority(e), e.token_id), reverse=True)
-        return kept + rest[: self.budget - len(kept)]
+        kept += rest[: self.budget - len(kept)]
+        # rolling: once the oldest key is more than twice the budget (or the trained context)
+        # behind the next query, lay the keys at contiguous positions ending right before it
+        roll_span = min(2 * self.budget, self.model.config.max_position_embeddings)
+        if self.positions == "rolling" and self.n_seen - min(e.position for e in kept) > roll_span:
+            for rank, e in enumerate(sorted(kept, key=lambda e: e.token_id)):
+                e.position = self.n_seen - len(kept) + rank
+        return kept
 
     # what the tests compare
     def kept(self, layer, batch, kv_head):
         return sorted(e.token_id for e in self.entries[layer][batch][kv_head])
 
     def fresh_keys(self, layer, batch, kv_head):
-        """{token_id: key rotated fresh to the position it should hold before the next query}"""
-        entries = self.entries[layer][batch][kv_head]
-        positions = self.key_positions(entries, self.n_seen)
-        return {e.token_id: self.rope(e.raw_key, p) for e, p in zip(entries, positions)}
+        """{token_id: the raw key rotated fresh, in one step, to the position it should hold now}"""
+        return {e.token_id: self.rope(e.raw_key, e.position) for e in self.entries[layer][batch][kv_head]}
 
     def scores(self, layer, batch, kv_head):
         mean = self.score == "mean"

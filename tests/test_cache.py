@@ -71,7 +71,7 @@ def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score,
                     ref_scores = ref.scores(layer, b, h)
                     want = torch.tensor([ref_scores[t] for t in ids[b, h].tolist()])
                     torch.testing.assert_close(scores[b, h], want.double(), atol=1e-6, rtol=1e-6)
-                    if positions == "rolling":  # kept keys equal keys rotated fresh to their new positions
+                    if positions == "rolling":  # re-rotated keys equal keys rotated fresh to their positions
                         fresh = ref.fresh_keys(layer, b, h)
                         want_keys = torch.stack([fresh[t] for t in ids[b, h].tolist()])
                         torch.testing.assert_close(cache.layers[layer].keys[b, h], want_keys, atol=1e-6, rtol=1e-6)
@@ -158,11 +158,10 @@ def test_rolling_generates_past_the_trained_context():
         warnings.filterwarnings("error", message="H2OCache")
         out = model.generate(ids, cache=cache, max_new_tokens=200, min_new_tokens=200, do_sample=False)
     assert out.shape[1] == 216
-    # every key sits within the budget of the next query's position
+    # every key sits within twice the budget of the next query's position, never past the context
     for layer in range(2):
-        pos = cache.positions(layer)
-        assert pos.max().item() == cache.get_seq_length() - 1
-        assert pos.min().item() == cache.get_seq_length() - 24
+        distance = cache.get_seq_length() - cache.positions(layer)
+        assert distance.min().item() >= 1 and distance.max().item() <= 48
 
 
 def test_absolute_warns_once_past_the_trained_context():

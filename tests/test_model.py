@@ -14,8 +14,7 @@ import time
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config
 
 import h2o_chat.model as model_mod
 from h2o_chat.model import (
@@ -28,46 +27,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # ---------------------------------------------------------------------------------------------
 # Fixtures
-
-
-def save_tiny_llama(folder):
-    """A random 2-layer GQA LLaMA with a byte-level tokenizer (256 tokens = 256 bytes)."""
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    # No eos: generate always runs the full max_new_tokens, so lengths can be asserted exactly.
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
-    model.save_pretrained(folder)
-
-    byte_vocab = {symbol: i for i, symbol in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    backend = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def embedded_conversion():
-    """Loads the embedded default once per session, converting it if this machine never has."""
-    folder = default_model_folder()
-    converted = not (folder / "config.json").is_file()
-    start = time.perf_counter()
-    model, tokenizer = load_model()
-    return {"model": model, "tokenizer": tokenizer, "folder": folder, "converted": converted,
-            "seconds": time.perf_counter() - start}
-
-
-@pytest.fixture(scope="session")
-def embedded_model(embedded_conversion):
-    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, shared by the whole session."""
-    return embedded_conversion["model"], embedded_conversion["tokenizer"]
 
 
 def fake_conversion(tiny_dir, calls=None):

@@ -1,0 +1,49 @@
+"""The benchmark and evaluation commands run end to end on the tiny model and write results
+that parse. The figures themselves are not asserted: they are measurements, not properties."""
+
+import json
+
+import pytest
+
+from h2o_chat import bench, evaluate
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "play.txt"
+    path.write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 40)
+    return path
+
+
+def read(out, name):
+    data = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.md").read_text().startswith("Command: `python -m h2o_chat.")
+    return data["rows"]
+
+
+def test_bench_decode(tiny_model_dir, text_file, tmp_path):
+    bench.main(["--model", str(tiny_model_dir), "--text", str(text_file), "--out", str(tmp_path),
+                "decode", "--seen", "32,64", "--steps", "3", "--repeats", "1", "--budget", "16"])
+    rows = read(tmp_path, "decode")
+    assert {(r["seen"], r["method"]) for r in rows} == {
+        (s, m) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict")}
+    by = {(r["seen"], r["method"]): r for r in rows}
+    # the H2O cache holds 16 slots per layer and head, the full ones everything
+    assert by[(64, "h2o")]["kv_MiB"] < by[(64, "full")]["kv_MiB"] == by[(64, "dynamic")]["kv_MiB"]
+
+
+def test_bench_prefill(tiny_model_dir, text_file, tmp_path):
+    bench.main(["--model", str(tiny_model_dir), "--text", str(text_file), "--out", str(tmp_path),
+                "prefill", "--tokens", "200", "--budget", "16"])
+    rows = read(tmp_path, "prefill")
+    assert [r["method"] for r in rows] == ["dynamic", "h2o"]
+    assert all(r["peak_MiB"] >= 0 and r["seconds"] > 0 for r in rows)
+
+
+def test_evaluate_ppl(tiny_model_dir, text_file, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(text_file),
+                   "--tokens", "120", "--budget", "24", "--chunk", "8"])
+    rows = read(tmp_path, "ppl")
+    assert [r["method"] for r in rows] == evaluate.PPL_METHODS
+    assert all(r["ppl"] > 1 for r in rows)
+    assert rows[0]["vs_full"] == "+0.0%"
