@@ -3,5 +3,6 @@
 from .cache import H2OCache
 from .model import ModelLoadError, load_model
 from .policy import CacheConfig
+from .session import ChatSession
 
-__all__ = ["H2OCache", "CacheConfig", "load_model", "ModelLoadError"]
+__all__ = ["H2OCache", "CacheConfig", "ChatSession", "load_model", "ModelLoadError"]

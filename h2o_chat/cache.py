@@ -195,6 +195,27 @@ class H2OCache(Cache):
         """Bytes of keys and values held now (live slots only)."""
         return sum(2 * layer.keys.nelement() * layer.keys.element_size() for layer in self.layers if layer.buf)
 
+    def snapshot(self):
+        """A copy of the whole cache state (bounded by the budget, so cheap), for `restore`."""
+        layers = [(layer.n_seen, layer.n_slots, {f: b.clone() for f, b in layer.buf.items()}) for layer in self.layers]
+        return layers, list(self.pins), self.limits
+
+    def restore(self, snapshot):
+        """Return to a `snapshot` (which stays valid: it can be restored again)."""
+        layers, pins, limits = snapshot
+        for layer, (n_seen, n_slots, buf) in zip(self.layers, layers):
+            layer.n_seen, layer.n_slots, layer.pending = n_seen, n_slots, None
+            layer.buf = {f: b.clone() for f, b in buf.items()}
+            layer.is_initialized = bool(buf)
+        self.pins, self.limits = list(pins), limits
+
+    def reset(self):
+        for layer in self.layers:
+            layer.reset()
+        self.pins = []
+        if isinstance(self.config.budget, float):
+            self.limits = None
+
     # --- pins ------------------------------------------------------------------------------
     def protect(self, start, end):
         """Never evict absolute tokens [start, end) (those still cached). They count against the

@@ -6,15 +6,15 @@ import time
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from h2o_chat.model import default_model_folder, load_model
 
 
-def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, **overrides):
+def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, vocab_size=128, **overrides):
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=max_position_embeddings,
+                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype).eval()
@@ -73,3 +73,29 @@ def embedded_conversion():
 def embedded_model(embedded_conversion):
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, shared by the whole session."""
     return embedded_conversion["model"], embedded_conversion["tokenizer"]
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def make_tiny_chat(dtype=torch.float32, seed=0):
+    """A tiny random LLaMA with a character-level tokenizer (printable ASCII, so whatever the
+    random model says decodes to text and re-tokenizes to the same ids), ChatML's two special
+    tokens and its chat template: everything a ChatSession needs, in milliseconds."""
+    chars = [chr(i) for i in range(32, 127)] + ["\n", "\t"]
+    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}},
+                                         unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    model = make_tiny_llama(dtype, seed=seed, vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return model, tokenizer
+
+
+@pytest.fixture
+def tiny_chat():
+    return make_tiny_chat()

@@ -1,0 +1,70 @@
+"""Every token a chat session has fed to the model, and what the cache keeps of it now.
+
+Per token: its vocabulary id, text piece, role and turn (index into the history; -1 for the
+system prompt), and its absolute index (its position in the list, which is also the token id
+the cache stores). Retention is read from the cache on demand, so the ledger itself stays small:
+a few Python objects per token (a 20,000-token ledger is a few MB).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+STATUSES = ("sink", "pinned", "recent", "heavy", "kept", "evicted")
+
+
+@dataclass
+class Ledger:
+    vocab_ids: list = field(default_factory=list)
+    pieces: list = field(default_factory=list)
+    roles: list = field(default_factory=list)
+    turns: list = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.vocab_ids)
+
+    def append(self, vocab_ids, pieces, role, turn):
+        self.vocab_ids += vocab_ids
+        self.pieces += pieces
+        self.roles += [role] * len(vocab_ids)
+        self.turns += [turn] * len(vocab_ids)
+
+    def truncate(self, n):
+        for name in ("vocab_ids", "pieces", "roles", "turns"):
+            del getattr(self, name)[n:]
+
+    def retention(self, cache):
+        """What the cache keeps of each token now (batch row 0):
+        kept   [layers, kv_heads, tokens] bool: which (layer, head) pairs hold it
+        score  [layers, kv_heads, tokens] float: its score where held, 0 elsewhere
+        fraction [tokens]: share of (layer, head) pairs that hold it
+        status [tokens]: sink / pinned / recent / heavy (h2o) or kept (other policies) / evicted
+        """
+        n = len(self)
+        layers = [i for i, layer in enumerate(cache.layers) if layer.buf]
+        n_layers, n_heads = len(cache.layers), (cache.token_ids(layers[0]).shape[1] if layers else 1)
+        kept = torch.zeros(n_layers, n_heads, n, dtype=torch.bool)
+        score = torch.zeros(n_layers, n_heads, n)
+        for i in layers:
+            ids = cache.token_ids(i)[0].cpu()
+            kept[i].scatter_(1, ids, True)
+            score[i].scatter_(1, ids, cache.scores(i)[0].float().cpu())
+        fraction = kept.float().mean(dim=(0, 1))
+        lim = cache.limits
+        n_sink = lim.n_sink if lim else 0
+        n_recent = lim.n_recent if lim and lim.budget is not None else 0
+        heavy = "heavy" if cache.config.policy == "h2o" else "kept"
+        pinned = set().union(*(range(s, e) for s, e in cache.pins))
+        status = []
+        for t in range(n):
+            if fraction[t] == 0:
+                status.append("evicted")
+            elif t < n_sink:
+                status.append("sink")
+            elif t in pinned:
+                status.append("pinned")
+            elif t >= n - n_recent:
+                status.append("recent")
+            else:
+                status.append(heavy)
+        return {"kept": kept, "score": score, "fraction": fraction, "status": status}
