@@ -1,5 +1,8 @@
 """Speed and memory benchmarks: `python -m h2o_chat.bench SUBCOMMAND`.
 
+    dialogue one long chat over the user turns of a jsonl file: per turn time to first token,
+             decode tokens/s, KV bytes and RSS for ChatSession with H2O (and with the full
+             cache), against a naive app that re-prefills the whole history every turn
     decode   time per generated token and KV bytes after N tokens seen, for DynamicCache and
              H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict)
     prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
@@ -12,6 +15,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from transformers import DynamicCache
 
 from .cache import H2OCache
 from .model import load_model
+from .session import ChatSession
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -104,6 +109,76 @@ def cmd_decode(args):
     write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", "vs_dynamic", "kv_MiB"], meta)
 
 
+def user_turns(path, n):
+    """The first n user turns of a jsonl file with a `turns` list per line."""
+    turns = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            turns += json.loads(line)["turns"]
+    if len(turns) < n:
+        raise ValueError(f"{path} has {len(turns)} user turns, {n} wanted")
+    return turns[:n]
+
+
+@torch.no_grad()
+def naive_ttft(model, tokenizer, history, max_context):
+    """Time to first token of a typical app: re-render the history, drop the oldest turns while
+    it does not fit, and prefill it all with model.generate."""
+    while True:
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        if ids.shape[1] < max_context or len(history) <= 1:
+            break
+        history = history[2:]
+    start = time.perf_counter()
+    model.generate(ids, cache=DynamicCache(), max_new_tokens=1, do_sample=False)
+    return time.perf_counter() - start, ids.shape[1]
+
+
+def cmd_dialogue(args):
+    model, tokenizer = load_model(args.model)
+    turns = user_turns(args.turns_file, args.turns)
+    rows = []
+    for method in args.methods:
+        if method == "naive":
+            continue
+        cache = dict(policy="h2o", budget=args.budget, n_sink=4) if method == "h2o" else dict(policy="full")
+        session = ChatSession(model, tokenizer, cache=cache, temperature=0, max_new_tokens=args.new_tokens)
+        for i, text in enumerate(turns, 1):
+            for _ in session.send(text):
+                pass
+            st = session.stats
+            row = {"turn": i, "method": method, "ttft_s": round(st["ttft_s"], 3),
+                   "decode_tok_s": round(st["tokens_per_s"], 2), "tokens_seen": st["tokens_seen"],
+                   "kv_MiB": round(st["kv_bytes"] / 2**20, 2), "rss_MiB": round(_rss_kib("VmRSS") / 1024)}
+            if "naive" in args.methods and method == args.methods[0] and (i % args.naive_every == 0 or i == 1):
+                # the naive app answers the same transcript: its time to first token depends on
+                # the history's length, not on what it would have replied
+                t, n = naive_ttft(model, tokenizer, session.history[:-1], model.config.max_position_embeddings)
+                rows.append({"turn": i, "method": "naive", "ttft_s": round(t, 3), "decode_tok_s": "",
+                             "tokens_seen": n, "kv_MiB": "", "rss_MiB": ""})
+                print(rows[-1], flush=True)
+            rows.append(row)
+            print(row, flush=True)
+    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+            "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
+    ttft = {(r["method"], r["turn"]): r["ttft_s"] for r in rows}
+    summary = {}
+    for method in args.methods:
+        late = [ttft[(method, t)] for t in range(40, 61) if (method, t) in ttft]
+        if late:
+            summary[method] = {"ttft_turns_40_60_mean_s": round(statistics.mean(late), 3)}
+    if "naive" in summary and "h2o" in summary:
+        naive_turns = [t for t in range(40, 61) if ("naive", t) in ttft]
+        ratio = statistics.mean(ttft[("naive", t)] / ttft[("h2o", t)] for t in naive_turns)
+        summary["naive_over_h2o_turns_40_60"] = round(ratio, 1)
+    if ("h2o", 5) in ttft and ("h2o", 60) in ttft:
+        summary["h2o_turn60_over_turn5"] = round(ttft[("h2o", 60)] / ttft[("h2o", 5)], 2)
+    meta["summary"] = summary
+    print(json.dumps(summary, indent=1))
+    write_results(args.out, "dialogue", rows, ["turn", "method", "ttft_s", "decode_tok_s", "tokens_seen", "kv_MiB", "rss_MiB"], meta)
+
+
 def _rss_kib(field):
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -142,16 +217,28 @@ def cmd_prefill(args):
     write_results(args.out, "prefill", rows, ["method", "tokens", "peak_MiB", "kv_MiB", "seconds"], meta)
 
 
-def main(argv=None):
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m h2o_chat.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def base_parser(prog, doc):
+    """The options every benchmark and evaluation command shares."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"), help="text the prompts are cut from")
     parser.add_argument("--out", default="bench-out", help="folder for JSON and Markdown results")
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = base_parser("python -m h2o_chat.bench", __doc__)
+    parser.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"), help="text the prompts are cut from")
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("dialogue", help="a long multi-turn chat, per-turn latency")
+    p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))
+    p.add_argument("--turns", type=int, default=60)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["h2o", "naive", "full"],
+                   help="h2o, full (ChatSession) and naive; naive is timed on the first method's transcript")
+    p.add_argument("--naive-every", type=int, default=5, help="time the naive app every N turns")
+    p.set_defaults(run=cmd_dialogue)
     p = sub.add_parser("decode", help="decode time per token vs tokens seen")
     p.add_argument("--seen", type=lambda s: [int(x) for x in s.split(",")], default=[512, 4096])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per run")

@@ -7,7 +7,6 @@ The text is fed in chunks of --chunk tokens (1 is strict token-by-token streamin
 faster, and the cache then holds up to budget + chunk - 1 tokens while a chunk is attended).
 """
 
-import argparse
 import math
 import sys
 import time
@@ -15,7 +14,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from .bench import DATA_DIR, make_cache, text_tokens, write_results
+from .bench import DATA_DIR, base_parser, make_cache, text_tokens, write_results
 from .model import load_model
 
 PPL_METHODS = ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"]
@@ -55,10 +54,7 @@ def cmd_ppl(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m h2o_chat.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--out", default="bench-out", help="folder for JSON and Markdown results")
+    parser = base_parser("python -m h2o_chat.evaluate", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ppl", help="streaming perplexity per policy at one budget")
     p.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"))

@@ -47,3 +47,15 @@ def test_evaluate_ppl(tiny_model_dir, text_file, tmp_path):
     assert [r["method"] for r in rows] == evaluate.PPL_METHODS
     assert all(r["ppl"] > 1 for r in rows)
     assert rows[0]["vs_full"] == "+0.0%"
+
+
+def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?", "Thanks"]}\n')
+    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    bench.main(["--out", str(tmp_path), "dialogue", "--turns-file", str(turns), "--turns", "4",
+                "--new-tokens", "5", "--budget", "32", "--naive-every", "2"])
+    rows = read(tmp_path, "dialogue")
+    assert [r["turn"] for r in rows if r["method"] == "h2o"] == [1, 2, 3, 4]
+    assert [r["turn"] for r in rows if r["method"] == "naive"] == [1, 2, 4]
+    assert [r["turn"] for r in rows if r["method"] == "full"] == [1, 2, 3, 4]
