@@ -72,6 +72,7 @@ class ChatSession:
         self.messages = []  # [{"role", "content", "pinned"}]
         self.on_progress = None  # callable(done, total) while a transcript is replayed
         self.last_turn = TurnStats()
+        self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
         self.tokens_processed = 0  # every token run through the model, replays included
         self._stop = threading.Event()
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -378,6 +379,7 @@ class ChatSession:
             stats.decode_s = end - (first_at or end)
             self.last_turn = stats
             message["content"] = prefix + emitted
+            self.turn_stats.append({"turn": turn, **self.stats})
             self.autosave()
 
     def _sample(self, logits, ban_stop=False):

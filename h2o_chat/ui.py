@@ -1,0 +1,224 @@
+"""The Gradio app: one ChatSession per browser tab over a shared model, and the live panel.
+
+Callbacks only move strings between widgets and a ChatSession; `panel.render` turns the
+session into what the panel shows. Errors a user can cause (ValueError) become a warning toast
+and leave the conversation as it was.
+"""
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from . import panel, store
+from .policy import POLICIES, POSITIONS, SCORES
+from .session import ChatSession
+
+PANEL_EVERY_S = 0.5  # panel refresh while streaming: rendering it costs far less than 10% of this
+CSS = """
+.token-map { font-family: ui-monospace, monospace; font-size: 13px; line-height: 1.7; white-space: pre-wrap;
+             word-break: break-word; max-height: 420px; overflow-y: auto; }
+.tok { border-radius: 3px; padding: 0 1px; }
+.st-sink { outline: 2px solid #CC79A7; } .st-pinned { border-bottom: 2px dashed #009E73; }
+.st-recent { border-bottom: 2px solid #0072B2; } .st-evicted { color: #888; text-decoration: line-through; }
+.fold { color: #666; font-style: italic; }
+"""
+
+
+def build(model, tokenizer, cache_defaults, data_dir, concurrency=1):
+    n_layers = model.config.num_hidden_layers
+    n_heads = model.config.num_key_value_heads
+
+    def new_session():
+        return ChatSession(model, tokenizer, cache=dict(cache_defaults), data_dir=data_dir)
+
+    def chat_view(session):
+        return session.history if session else []
+
+    def panel_view(session, layer, head):
+        if session is None or not len(session.ledger):
+            return "", "", pd.DataFrame({"tokens_seen": [], "series": [], "kv_MiB": []}), pd.DataFrame()
+        layer = None if layer in (None, "all") else int(layer)
+        head = None if head in (None, "all") or layer is None else int(head)
+        view = panel.render(session, layer, head)
+        memory = pd.DataFrame(view["memory"] or {"tokens_seen": [], "series": [], "kv_MiB": []})
+        return view["token_map"], view["stats"], memory, pd.DataFrame(view["heavy"])
+
+    def send(text, session, layer, head):
+        session = session or new_session()
+        try:
+            stream = session.send(text)
+        except ValueError as e:
+            gr.Warning(str(e))
+            yield (text, session, chat_view(session), *panel_view(session, layer, head))
+            return
+        last = 0.0
+        for _ in stream:
+            now = time.perf_counter()
+            if now - last >= PANEL_EVERY_S:
+                last = now
+                yield ("", session, chat_view(session), *panel_view(session, layer, head))
+            else:
+                yield ("", session, chat_view(session), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        yield ("", session, chat_view(session), *panel_view(session, layer, head))
+
+    def run_stream(action):
+        def handler(session, layer, head):
+            if session is None:
+                gr.Warning("Nothing to do yet: send a message first.")
+                yield (session, [], *panel_view(session, layer, head))
+                return
+            try:
+                stream = action(session)
+            except ValueError as e:
+                gr.Warning(str(e))
+                stream = ()
+            for _ in stream:
+                yield (session, chat_view(session), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+            yield (session, chat_view(session), *panel_view(session, layer, head))
+        return handler
+
+    def run_now(action):
+        def handler(session, *args):
+            layer, head = args[-2:]
+            try:
+                session = action(session or new_session(), *args[:-2]) or session
+            except ValueError as e:
+                gr.Warning(str(e))
+            return (session, chat_view(session), *panel_view(session, layer, head))
+        return handler
+
+    def stop(session):
+        if session is not None:
+            session.stop()
+
+    def apply_cache(session, policy, budget, n_recent, n_sink, score, positions):
+        session.configure(cache=dict(policy=policy, budget=int(budget), n_recent=int(n_recent) or None,
+                                     n_sink=int(n_sink), score=score, positions=positions))
+
+    def apply_sampling(session, system_prompt, temperature, top_p, max_new_tokens):
+        session.configure(temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
+                          **({"system_prompt": system_prompt} if (system_prompt or None) != session.system_prompt else {}))
+
+    def edit(session, turn, text):
+        session.edit(int(turn), text)
+
+    def pin(session, turn):
+        session.pin(int(turn), pinned=True)
+
+    def unpin(session, turn):
+        session.pin(int(turn), pinned=False)
+
+    def new_chat(session):
+        return new_session()
+
+    def restore(session, session_id):
+        if not session_id:
+            raise ValueError("choose a saved session first")
+        try:
+            return ChatSession.restore(model, tokenizer, session_id, data_dir)
+        except store.SessionFileError as e:
+            raise ValueError(str(e)) from None
+
+    def saved_ids():
+        return gr.update(choices=store.list_ids(data_dir) if data_dir else [])
+
+    def export(session):
+        if session is None:
+            return None, None
+        folder = Path(tempfile.mkdtemp(prefix="h2o-chat-export-"))
+        md, js = folder / f"{session.id}.md", folder / f"{session.id}.json"
+        md.write_text(session.to_markdown(), encoding="utf-8")
+        js.write_text(json.dumps(session.record(), ensure_ascii=False, indent=1), encoding="utf-8")
+        return str(md), str(js)
+
+    with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
+        session = gr.State(None, delete_callback=stop)  # one per tab; a closed tab stops and drops it
+        with gr.Row():
+            with gr.Column(scale=3, min_width=320):
+                chatbot = gr.Chatbot(label="h2o-chat", height=460, buttons=["copy"])
+                text = gr.Textbox(placeholder="Type a message and press Enter", show_label=False, lines=2,
+                                  max_lines=10, elem_id="message")
+                with gr.Row():
+                    send_btn = gr.Button("Send", variant="primary", elem_id="send")
+                    stop_btn = gr.Button("Stop", elem_id="stop")
+                    regen_btn = gr.Button("Regenerate")
+                    cont_btn = gr.Button("Continue")
+                    undo_btn = gr.Button("Undo")
+                    new_btn = gr.Button("New chat")
+                with gr.Accordion("Generation", open=False):
+                    system_prompt = gr.Textbox(label="System prompt", lines=2)
+                    with gr.Row():
+                        temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)")
+                        top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
+                        max_new = gr.Slider(16, 2048, value=256, step=16, label="Max new tokens")
+                    sampling_btn = gr.Button("Apply")
+                with gr.Accordion("Cache (changing it replays the chat)", open=False):
+                    with gr.Row():
+                        policy = gr.Dropdown(list(POLICIES), value=cache_defaults["policy"], label="Policy")
+                        budget = gr.Number(value=cache_defaults["budget"], label="Budget (slots)", precision=0)
+                        n_recent = gr.Number(value=cache_defaults.get("n_recent") or 0, precision=0,
+                                             label="Recent window (0 = half)")
+                        n_sink = gr.Number(value=cache_defaults["n_sink"], label="Sinks", precision=0)
+                        score = gr.Dropdown(list(SCORES), value=cache_defaults["score"], label="Score")
+                        positions = gr.Dropdown(list(POSITIONS), value=cache_defaults["positions"], label="Positions")
+                    cache_btn = gr.Button("Apply and replay")
+                with gr.Accordion("Edit or pin a message", open=False):
+                    with gr.Row():
+                        turn = gr.Number(value=0, precision=0, label="Message number (0 = first)")
+                        pin_btn = gr.Button("Pin (never evict)")
+                        unpin_btn = gr.Button("Unpin")
+                    edit_text = gr.Textbox(label="New text", lines=2)
+                    edit_btn = gr.Button("Replace the message text")
+                with gr.Accordion("Saved sessions and export", open=False):
+                    with gr.Row():
+                        saved = gr.Dropdown([], label="Saved sessions", allow_custom_value=False)
+                        refresh_btn = gr.Button("Refresh")
+                        restore_btn = gr.Button("Restore")
+                    with gr.Row():
+                        export_btn = gr.Button("Export")
+                        export_md = gr.File(label="Markdown")
+                        export_json = gr.File(label="JSON")
+            with gr.Column(scale=2, min_width=320):
+                gr.HTML(panel.legend_html())
+                stats = gr.Markdown(elem_id="stats")
+                with gr.Row():
+                    layer = gr.Dropdown(["all"] + [str(i) for i in range(n_layers)], value="all", label="Layer",
+                                        elem_id="layer")
+                    head = gr.Dropdown(["all"] + [str(i) for i in range(n_heads)], value="all", label="KV head",
+                                       elem_id="head")
+                token_map = gr.HTML(elem_id="token-map")
+                memory = gr.LinePlot(x="tokens_seen", y="kv_MiB", color="series", label="KV memory (MiB)",
+                                     height=220)
+                heavy = gr.Dataframe(label="Top heavy hitters", max_height=260)
+
+        panel_out = [token_map, stats, memory, heavy]
+        limit = dict(concurrency_limit=concurrency, concurrency_id="generate")
+        send_args = dict(fn=send, inputs=[text, session, layer, head], outputs=[text, session, chatbot, *panel_out])
+        text.submit(**send_args, **limit, api_name="send")
+        send_btn.click(**send_args, **limit, api_visibility="private")
+        stop_btn.click(stop, inputs=session, queue=False, api_name="stop")
+        stream_io = dict(inputs=[session, layer, head], outputs=[session, chatbot, *panel_out])
+        regen_btn.click(run_stream(lambda s: s.regenerate()), **stream_io, **limit, api_name="regenerate")
+        cont_btn.click(run_stream(lambda s: s.continue_reply()), **stream_io, **limit, api_name="continue")
+        now_out = [session, chatbot, *panel_out]
+        undo_btn.click(run_now(lambda s: s.undo()), inputs=[session, layer, head], outputs=now_out, **limit,
+                       api_name="undo")
+        new_btn.click(run_now(new_chat), inputs=[session, layer, head], outputs=now_out, **limit, api_name="new_chat")
+        cache_btn.click(run_now(apply_cache), inputs=[session, policy, budget, n_recent, n_sink, score, positions,
+                                                      layer, head], outputs=now_out, **limit)
+        sampling_btn.click(run_now(apply_sampling), inputs=[session, system_prompt, temperature, top_p, max_new,
+                                                            layer, head], outputs=now_out, **limit)
+        edit_btn.click(run_now(edit), inputs=[session, turn, edit_text, layer, head], outputs=now_out, **limit)
+        pin_btn.click(run_now(pin), inputs=[session, turn, layer, head], outputs=now_out, **limit)
+        unpin_btn.click(run_now(unpin), inputs=[session, turn, layer, head], outputs=now_out, **limit)
+        restore_btn.click(run_now(restore), inputs=[session, saved, layer, head], outputs=now_out, **limit)
+        refresh_btn.click(saved_ids, outputs=saved)
+        export_btn.click(export, inputs=session, outputs=[export_md, export_json])
+        for selector in (layer, head):
+            selector.change(lambda s, l, h: panel_view(s, l, h), inputs=[session, layer, head], outputs=panel_out)
+        demo.load(saved_ids, outputs=saved)
+    return demo

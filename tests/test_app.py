@@ -1,0 +1,85 @@
+"""The Gradio app, driven through its API with gradio_client: a tiny model, a real server on
+127.0.0.1, one session per client."""
+
+import socket
+import threading
+import time
+
+import pytest
+from gradio_client import Client
+
+from h2o_chat.ui import CSS, build
+from tests.conftest import make_tiny_chat
+
+CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    model, tok = make_tiny_chat()
+    demo = build(model, tok, CACHE, str(tmp_path_factory.mktemp("data")), concurrency=2)
+    demo.queue(default_concurrency_limit=2)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+def chat_of(result):
+    return result[1]  # API outputs (the session state is not one): text box, chatbot, token map, stats, ...
+
+
+def text_of(message):
+    """Gradio 6 sends a message's content as a list of typed parts."""
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def test_a_message_streams_back_with_the_panel(app_url):
+    client = Client(app_url, verbose=False)
+    job = client.submit("Hello there", "all", "all", api_name="/send")
+    updates = list(job)
+    result = job.result()
+    chat = chat_of(result)
+    assert [m["role"] for m in chat] == ["user", "assistant"] and text_of(chat[0]) == "Hello there"
+    assert len(updates) > 2  # streamed, not one final answer
+    assert 'class="tok st-' in result[2] and "tokens seen" in result[3]
+
+
+def test_stop_ends_the_reply_and_keeps_it(app_url):
+    client = Client(app_url, verbose=False)
+    client.predict("Hi", "all", "all", api_name="/send")  # creates this client's session
+    job = client.submit("Tell me a very long story", "all", "all", api_name="/send")
+    while len(job.outputs()) < 3:
+        time.sleep(0.01)
+    client.predict(api_name="/stop")
+    started = time.perf_counter()
+    result = job.result()
+    assert time.perf_counter() - started < 5
+    chat = chat_of(result)
+    assert chat[-1]["role"] == "assistant" and len(chat) == 4
+
+
+def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
+    results = {}
+
+    def talk(name):
+        client = Client(app_url, verbose=False)
+        for text in (f"I am {name}.", f"Remember {name}?"):
+            results[name] = client.predict(text, "all", "all", api_name="/send")
+
+    threads = [threading.Thread(target=talk, args=(n,)) for n in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for me, other in (("alice", "bob"), ("bob", "alice")):
+        chat = chat_of(results[me])
+        assert [text_of(m) for m in chat if m["role"] == "user"] == [f"I am {me}.", f"Remember {me}?"]
+        assert other not in results[me][2]  # nor in the token map
