@@ -38,7 +38,7 @@ class Ledger:
         kept   [layers, kv_heads, tokens] bool: which (layer, head) pairs hold it
         score  [layers, kv_heads, tokens] float: its score where held, 0 elsewhere
         fraction [tokens]: share of (layer, head) pairs that hold it
-        status [tokens]: sink / pinned / recent / heavy (h2o) or kept (other policies) / evicted
+        status [tokens]: sink / pinned / recent / heavy (h2o, once it evicts) or kept / evicted
         """
         n = len(self)
         layers = [i for i, layer in enumerate(cache.layers) if layer.buf]
@@ -53,7 +53,10 @@ class Ledger:
         lim = cache.limits
         n_sink = lim.n_sink if lim else 0
         n_recent = lim.n_recent if lim and lim.budget is not None else 0
-        heavy = "heavy" if cache.config.policy == "h2o" else "kept"
+        # "heavy" means kept for its score while others were evicted: before the first eviction,
+        # or under a policy that does not score, a token outside the recent window is just "kept"
+        evicting = bool(layers) and cache.layers[layers[0]].n_seen > cache.layers[layers[0]].n_slots
+        heavy = "heavy" if cache.config.policy == "h2o" and evicting else "kept"
         pinned = set().union(*(range(s, e) for s, e in cache.pins))
         status = []
         for t in range(n):

@@ -8,7 +8,7 @@ status also differs in shape (border, underline, strike-through), not in hue alo
 import html
 
 # status -> (colour, CSS class); strength (the share of (layer, head) pairs keeping the token) sets opacity
-COLORS = {"sink": "#CC79A7", "pinned": "#009E73", "heavy": "#E69F00", "kept": "#E69F00",
+COLORS = {"sink": "#CC79A7", "pinned": "#009E73", "heavy": "#E69F00", "kept": "#F0E442",
           "recent": "#56B4E9", "evicted": "#999999"}
 LEGEND = ("H2O keeps, in every layer and attention head, the few tokens that have drawn the most "
           "attention (heavy hitters) plus the newest ones, and evicts the rest: memory stays bounded "
@@ -76,7 +76,7 @@ def _token(ledger, t, status_strength, kept_by, n_pairs, score):
 
 def legend_html():
     items = "".join(f'<span class="tok st-{s}" style="background:{COLORS[s]}55">{s}</span> '
-                    for s in ("sink", "pinned", "heavy", "recent", "evicted"))
+                    for s in ("sink", "pinned", "heavy", "recent", "kept", "evicted"))
     return f'<div class="legend"><p>{html.escape(LEGEND)}</p>{items}</div>'
 
 
@@ -87,7 +87,8 @@ def top_heavy(ledger, retention, k=10):
     mean_score = retention["score"].sum(dim=(0, 1)) / kept.clamp(min=1)
     candidates = [t for t, s in enumerate(retention["status"]) if s in ("heavy", "kept", "pinned")]
     candidates.sort(key=lambda t: float(mean_score[t]), reverse=True)
-    return [{"token": ledger.pieces[t], "index": t, "turn": ledger.turns[t], "score": round(float(mean_score[t]), 3),
+    visible = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥"})
+    return [{"token": ledger.pieces[t].translate(visible), "index": t, "turn": ledger.turns[t], "score": round(float(mean_score[t]), 3),
              "heads": int(kept[t])} for t in candidates[:k]]
 
 
