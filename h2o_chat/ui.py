@@ -28,12 +28,14 @@ CSS = """
 """
 
 
-def build(model, tokenizer, cache_defaults, data_dir, concurrency=1):
+def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None):
+    """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
+    ChatSession arguments (sampling, system prompt)."""
     n_layers = model.config.num_hidden_layers
     n_heads = model.config.num_key_value_heads
 
     def new_session():
-        return ChatSession(model, tokenizer, cache=dict(cache_defaults), data_dir=data_dir)
+        return ChatSession(model, tokenizer, cache=dict(cache_defaults), data_dir=data_dir, **(chat_defaults or {}))
 
     def chat_view(session):
         return session.history if session else []
