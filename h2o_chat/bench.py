@@ -6,6 +6,8 @@
     decode   time per generated token and KV bytes after N tokens seen, for DynamicCache and
              H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict)
     prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
+    panel    what the live panel costs: render time of a long conversation's panel, and decode
+             tokens/s with the panel refreshed as the app does while streaming vs not at all
 
 Every figure comes from running the model here; results go to --out as JSON and Markdown.
 """
@@ -217,6 +219,41 @@ def cmd_prefill(args):
     write_results(args.out, "prefill", rows, ["method", "tokens", "peak_MiB", "kv_MiB", "seconds"], meta)
 
 
+def cmd_panel(args):
+    from . import panel
+    from .ui import PANEL_EVERY_S
+
+    model, tokenizer = load_model(args.model)
+    rows = []
+    for refresh in (False, True, False, True):  # interleaved, so machine noise hits both alike
+        session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=args.budget), temperature=0,
+                              max_new_tokens=args.new_tokens)
+        for _ in session.send("Tell me a long story about a lighthouse keeper."):
+            pass  # warm-up turn; the timed one follows
+        last, start, n = 0.0, None, 0
+        for _ in session.send("Go on, in much more detail."):
+            start = start or time.perf_counter()
+            n += 1
+            if refresh and time.perf_counter() - last >= PANEL_EVERY_S:
+                panel.render(session)
+                last = time.perf_counter()
+        rows.append({"measure": "decode with panel" if refresh else "decode without panel",
+                     "value": round(session.last_turn.new_tokens / session.last_turn.decode_s, 2), "unit": "tokens/s"})
+        print(rows[-1], flush=True)
+    text = text_tokens(tokenizer, args.text, args.tokens)
+    session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=args.budget), max_new_tokens=1)
+    session.send(tokenizer.decode(text[0]))  # prefilled; the reply is never drawn
+    for _ in range(3):
+        start = time.perf_counter()
+        view = panel.render(session)
+        rows.append({"measure": f"render panel of {len(session.ledger):,} tokens", "value":
+                     round(time.perf_counter() - start, 3), "unit": "s"})
+        print(rows[-1], f"{len(view['token_map']) / 1e6:.2f} MB of HTML", flush=True)
+    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+            "refresh_every_s": PANEL_EVERY_S}
+    write_results(args.out, "panel", rows, ["measure", "value", "unit"], meta)
+
+
 def base_parser(prog, doc):
     """The options every benchmark and evaluation command shares."""
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,6 +286,11 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--budget", type=int, default=512)
     p.set_defaults(run=cmd_prefill)
+    p = sub.add_parser("panel", help="the live panel's cost")
+    p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--budget", type=int, default=512)
+    p.set_defaults(run=cmd_panel)
     args = parser.parse_args(argv)
     args.argv = argv
     args.run(args)

@@ -42,12 +42,13 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
 
     def panel_view(session, layer, head):
         if session is None or not len(session.ledger):
-            return "", "", pd.DataFrame({"tokens_seen": [], "series": [], "kv_MiB": []}), pd.DataFrame()
+            empty = pd.DataFrame({"tokens_seen": [], "series": [], "kv_MiB": [], "slots": []})
+            return "", "", empty, empty, pd.DataFrame()
         layer = None if layer in (None, "all") else int(layer)
         head = None if head in (None, "all") or layer is None else int(head)
         view = panel.render(session, layer, head)
-        memory = pd.DataFrame(view["memory"] or {"tokens_seen": [], "series": [], "kv_MiB": []})
-        return view["token_map"], view["stats"], memory, pd.DataFrame(view["heavy"])
+        memory = pd.DataFrame(view["memory"] or {"tokens_seen": [], "series": [], "kv_MiB": [], "slots": []})
+        return view["token_map"], view["stats"], memory, memory, pd.DataFrame(view["heavy"])
 
     def send(text, session, layer, head):
         session = session or new_session()
@@ -64,7 +65,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 last = now
                 yield ("", session, chat_view(session), *panel_view(session, layer, head))
             else:
-                yield ("", session, chat_view(session), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                yield ("", session, chat_view(session), *[gr.skip()] * 5)
         yield ("", session, chat_view(session), *panel_view(session, layer, head))
 
     def run_stream(action):
@@ -79,7 +80,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 gr.Warning(str(e))
                 stream = ()
             for _ in stream:
-                yield (session, chat_view(session), gr.skip(), gr.skip(), gr.skip(), gr.skip())
+                yield (session, chat_view(session), *[gr.skip()] * 5)
             yield (session, chat_view(session), *panel_view(session, layer, head))
         return handler
 
@@ -97,9 +98,18 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         if session is not None:
             session.stop()
 
-    def apply_cache(session, policy, budget, n_recent, n_sink, score, positions):
-        session.configure(cache=dict(policy=policy, budget=int(budget), n_recent=int(n_recent) or None,
-                                     n_sink=int(n_sink), score=score, positions=positions))
+    def apply_cache(session, policy, budget, n_recent, n_sink, score, positions, layer, head,
+                    progress=gr.Progress()):
+        session = session or new_session()
+        session.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
+        try:
+            session.configure(cache=dict(policy=policy, budget=int(budget), n_recent=int(n_recent) or None,
+                                         n_sink=int(n_sink), score=score, positions=positions))
+        except ValueError as e:
+            gr.Warning(str(e))
+        finally:
+            session.on_progress = None
+        return (session, chat_view(session), *panel_view(session, layer, head))
 
     def apply_sampling(session, system_prompt, temperature, top_p, max_new_tokens):
         session.configure(temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
@@ -195,9 +205,11 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 token_map = gr.HTML(elem_id="token-map")
                 memory = gr.LinePlot(x="tokens_seen", y="kv_MiB", color="series", label="KV memory (MiB)",
                                      height=220)
+                slots = gr.LinePlot(x="tokens_seen", y="slots", color="series", label="Slots per head",
+                                    height=220)
                 heavy = gr.Dataframe(label="Top heavy hitters", max_height=260)
 
-        panel_out = [token_map, stats, memory, heavy]
+        panel_out = [token_map, stats, memory, slots, heavy]
         limit = dict(concurrency_limit=concurrency, concurrency_id="generate")
         send_args = dict(fn=send, inputs=[text, session, layer, head], outputs=[text, session, chatbot, *panel_out])
         text.submit(**send_args, **limit, api_name="send")
@@ -210,7 +222,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         undo_btn.click(run_now(lambda s: s.undo()), inputs=[session, layer, head], outputs=now_out, **limit,
                        api_name="undo")
         new_btn.click(run_now(new_chat), inputs=[session, layer, head], outputs=now_out, **limit, api_name="new_chat")
-        cache_btn.click(run_now(apply_cache), inputs=[session, policy, budget, n_recent, n_sink, score, positions,
+        cache_btn.click(apply_cache, api_name="apply_cache", inputs=[session, policy, budget, n_recent, n_sink, score, positions,
                                                       layer, head], outputs=now_out, **limit)
         sampling_btn.click(run_now(apply_sampling), inputs=[session, system_prompt, temperature, top_p, max_new,
                                                             layer, head], outputs=now_out, **limit)

@@ -83,3 +83,13 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
         chat = chat_of(results[me])
         assert [text_of(m) for m in chat if m["role"] == "user"] == [f"I am {me}.", f"Remember {me}?"]
         assert other not in results[me][2]  # nor in the token map
+
+
+def test_changing_the_cache_replays_the_chat(app_url):
+    client = Client(app_url, verbose=False)
+    client.predict("Hello there", "all", "all", api_name="/send")
+    result = client.predict("sink", 24, 8, 4, "sum", "rolling", "all", "all", api_name="/apply_cache")
+    assert [text_of(m) for m in result[0] if m["role"] == "user"] == ["Hello there"]  # the chat survives
+    assert "**24** slots per head" in result[2]
+    bad = client.predict("h2o", 0, 8, 4, "sum", "rolling", "all", "all", api_name="/apply_cache")
+    assert "**24** slots per head" in bad[2]  # an impossible budget changes nothing

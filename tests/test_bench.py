@@ -59,3 +59,12 @@ def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
     assert [r["turn"] for r in rows if r["method"] == "h2o"] == [1, 2, 3, 4]
     assert [r["turn"] for r in rows if r["method"] == "naive"] == [1, 2, 4]
     assert [r["turn"] for r in rows if r["method"] == "full"] == [1, 2, 3, 4]
+
+
+def test_bench_panel(tiny_chat, text_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    bench.main(["--text", str(text_file), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
+                "--budget", "32"])
+    rows = read(tmp_path, "panel")
+    assert [r["measure"] for r in rows][:4] == ["decode without panel", "decode with panel"] * 2
+    assert rows[-1]["measure"].startswith("render panel of ") and rows[-1]["value"] >= 0
