@@ -182,10 +182,7 @@ class H2OCache(Cache):
 
     def scores(self, layer_idx):
         """[batch, kv_heads, slots]: each slot's heavy-hitter score (what eviction ranks by)."""
-        layer = self.layers[layer_idx]
-        if self.config.score == "mean":
-            return layer.scores / layer.queries.clamp(min=1)
-        return layer.scores
+        return self._score(self.layers[layer_idx])
 
     def positions(self, layer_idx):
         """[batch, kv_heads, slots]: the RoPE position each cached key is rotated to."""
@@ -300,10 +297,11 @@ class H2OCache(Cache):
             seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=mass.device)
             layer.queries.add_(seen_by)
 
+    def _score(self, layer):
+        return layer.scores / layer.queries.clamp(min=1) if self.config.score == "mean" else layer.scores
+
     def _priority(self, layer):
-        if self.config.policy == "h2o":
-            return layer.scores / layer.queries.clamp(min=1) if self.config.score == "mean" else layer.scores
-        return layer.token_ids  # window, sink: the newest tokens that fit
+        return self._score(layer) if self.config.policy == "h2o" else layer.token_ids  # window, sink: newest
 
     def _evict(self, layer):
         lim = self.limits
