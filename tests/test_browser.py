@@ -45,7 +45,8 @@ def page(app):
 
 def pick(page, selector, value):
     page.click(f"{selector} input")
-    page.get_by_role("option", name=value, exact=True).click()
+    listbox = page.get_attribute(f"{selector} input", "aria-controls")  # this dropdown's own list
+    page.locator(f"#{listbox}").get_by_role("option", name=value, exact=True).click()
 
 
 def test_chat_and_panel_in_the_browser(page, app, tmp_path):
@@ -54,6 +55,10 @@ def test_chat_and_panel_in_the_browser(page, app, tmp_path):
     page.wait_for_selector("#token-map .tok.st-evicted", timeout=60_000)  # the reply outgrew the budget
     page.get_by_text("Hello there, tell me a story").first.wait_for()
     assert page.locator(".message").count() >= 2  # the question and its streamed answer
+    settled = ""
+    while settled != page.inner_text("#stats"):  # until the reply has finished streaming
+        settled = page.inner_text("#stats")
+        page.wait_for_timeout(1500)
     for status in ("sink", "heavy", "recent"):
         assert page.locator(f"#token-map .tok.st-{status}").count() > 0
     assert "tokens seen" in page.inner_text("#stats")

@@ -257,3 +257,15 @@ def test_autosave_restore_roundtrip_and_bad_files(tiny_chat, tmp_path):
     for bad_id in ["../etc/passwd", "a/b", "", "x" * 65]:
         with pytest.raises(ValueError, match="invalid session id"):
             store.session_path(tmp_path, bad_id)
+
+
+def test_ledger_retention_while_the_cache_is_ahead(tiny_chat):
+    # the panel can read between a forward and the ledger's append (another thread streaming)
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12),
+                          temperature=0, max_new_tokens=10)
+    chat(session, USER_TURNS[:2])
+    n = len(session.ledger)
+    session.ledger.truncate(n - 3)
+    ret = session.ledger.retention(session.cache)
+    assert ret["kept"].shape[-1] == n - 3 and len(ret["status"]) == n - 3
