@@ -82,6 +82,29 @@ def write_results(out, name, rows, columns, meta):
     print(table)
 
 
+def write_plot(out, name, rows, x, y, series, title, logy=False):
+    """One line per value of rows[series], y against x, saved as out/name.png. Rows whose x or y
+    is missing ('' or None) are skipped, so one table can feed several plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4), dpi=120)
+    for label in dict.fromkeys(r[series] for r in rows):
+        points = [(r[x], r[y]) for r in rows if r[series] == label and r[x] not in ("", None) and r[y] not in ("", None)]
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3, label=str(label))
+    ax.set(xlabel=x, ylabel=y, title=title)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(out) / f"{name}.png")
+    plt.close(fig)
+
+
 def cmd_decode(args):
     model, tokenizer = load_model(args.model)
     text = text_tokens(tokenizer, args.text, max(args.seen))
