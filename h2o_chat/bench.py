@@ -135,15 +135,16 @@ def cmd_decode(args):
     write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", "vs_dynamic", "kv_MiB"], meta)
 
 
-def user_turns(path, n):
-    """The first n user turns of a jsonl file with a `turns` list per line."""
+def user_turns(path, n, cycle=False):
+    """The first n user turns of a jsonl file with a `turns` list per line; with cycle, a file
+    with fewer starts over (the shared MT-Bench file has 79 questions, 158 turns)."""
     turns = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.strip():
             turns += json.loads(line)["turns"]
-    if len(turns) < n:
+    if len(turns) < n and not (cycle and turns):
         raise ValueError(f"{path} has {len(turns)} user turns, {n} wanted")
-    return turns[:n]
+    return [turns[i % len(turns)] for i in range(n)]
 
 
 @torch.no_grad()
@@ -288,7 +289,7 @@ def cmd_soak(args):
     """One session over many turns, as a user who leaves the app running would: per turn RSS,
     time to first token, speed, and whether the replies degenerate."""
     model, tokenizer = load_model(args.model)
-    turns = user_turns(args.turns_file, args.turns)
+    turns = user_turns(args.turns_file, args.turns, cycle=True)
     session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=args.budget, positions=args.positions),
                           max_new_tokens=args.new_tokens, seed=args.seed)  # the app's sampling defaults
     rows, error = [], None
