@@ -64,7 +64,11 @@ def token_map(ledger, retention, layer=None, head=None):
                 continue
         parts.append(_token(ledger, i, statuses[i], kept_by[i], n_pairs, score[i]))
         i += 1
-    return '<div class="token-map">' + "".join(parts) + "</div>"
+    if layer is None or head is None:
+        caption = "All layers and KV heads: a token's strength is the share of heads that keep it."
+    else:
+        caption = f"Layer {layer}, KV head {head}: exactly the tokens this head keeps."
+    return f'<p class="map-caption">{caption}</p><div class="token-map">' + "".join(parts) + "</div>"
 
 
 def _token(ledger, t, status_strength, kept_by, n_pairs, score):
@@ -93,9 +97,13 @@ def top_heavy(ledger, retention, k=10):
 
 
 def memory_rows(turn_stats):
-    """Chart rows per reply: slots used and KV MiB (H2O vs a full cache) against tokens seen."""
-    rows = []
+    """Chart rows per point (after each reply, and now): slots used and KV MiB (H2O vs a full
+    cache) against tokens seen."""
+    rows, seen = [], set()
     for s in turn_stats:
+        if s["tokens_seen"] in seen:  # "now" when no reply has run since the last point
+            continue
+        seen.add(s["tokens_seen"])
         rows.append({"tokens_seen": s["tokens_seen"], "series": "H2O cache", "kv_MiB": s["kv_bytes"] / 2**20,
                      "slots": s["slots_used"]})
         rows.append({"tokens_seen": s["tokens_seen"], "series": "full cache", "kv_MiB": s["full_kv_bytes"] / 2**20,
@@ -117,5 +125,5 @@ def render(session, layer=None, head=None):
     retention = session.ledger.retention(session.cache)
     return {"token_map": token_map(session.ledger, retention, layer, head),
             "stats": stats_markdown(session.stats, retention),
-            "memory": memory_rows(session.turn_stats),
+            "memory": memory_rows(session.turn_stats + [session.stats]),  # the live point moves as a reply streams
             "heavy": top_heavy(session.ledger, retention)}

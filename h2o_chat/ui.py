@@ -25,6 +25,7 @@ CSS = """
 .st-sink { outline: 2px solid #CC79A7; } .st-pinned { border-bottom: 2px dashed #009E73; }
 .st-recent { border-bottom: 2px solid #0072B2; } .st-evicted { color: #888; text-decoration: line-through; }
 .fold { color: #666; font-style: italic; }
+.map-caption { font-size: 12px; color: #555; margin: 0 0 4px 0; }
 """
 
 
@@ -40,66 +41,82 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
     def chat_view(session):
         return session.history if session else []
 
-    def panel_view(session, layer, head):
+    def panel_view(session, selection):
+        """selection: this tab's {"layer", "head"}, a dict the selectors mutate, so a refresh in
+        the middle of a streaming reply shows what the user picked after pressing Send."""
         if session is None or not len(session.ledger):
             empty = pd.DataFrame({"tokens_seen": [], "series": [], "kv_MiB": [], "slots": []})
             return "", "", empty, empty, pd.DataFrame()
+        layer, head = selection["layer"], selection["head"]
         layer = None if layer in (None, "all") else int(layer)
         head = None if head in (None, "all") or layer is None else int(head)
         view = panel.render(session, layer, head)
         memory = pd.DataFrame(view["memory"] or {"tokens_seen": [], "series": [], "kv_MiB": [], "slots": []})
         return view["token_map"], view["stats"], memory, memory, pd.DataFrame(view["heavy"])
 
-    def send(text, session, layer, head):
+    def send(text, session, selection, layer, head):
         session = session or new_session()
+        selection.update(layer=layer, head=head)
         try:
             stream = session.send(text)
         except ValueError as e:
             gr.Warning(str(e))
-            yield (text, session, chat_view(session), *panel_view(session, layer, head))
+            yield (text, session, chat_view(session), *panel_view(session, selection))
             return
         last = 0.0
         for _ in stream:
             now = time.perf_counter()
             if now - last >= PANEL_EVERY_S:
                 last = now
-                yield ("", session, chat_view(session), *panel_view(session, layer, head))
+                yield ("", session, chat_view(session), *panel_view(session, selection))
             else:
                 yield ("", session, chat_view(session), *[gr.skip()] * 5)
-        yield ("", session, chat_view(session), *panel_view(session, layer, head))
+        yield ("", session, chat_view(session), *panel_view(session, selection))
 
     def run_stream(action):
-        def handler(session, layer, head):
+        def handler(session, selection, layer, head):
+            selection.update(layer=layer, head=head)
             if session is None:
                 gr.Warning("Nothing to do yet: send a message first.")
-                yield (session, [], *panel_view(session, layer, head))
+                yield (session, [], *panel_view(session, selection))
                 return
             try:
                 stream = action(session)
             except ValueError as e:
                 gr.Warning(str(e))
                 stream = ()
+            last = time.perf_counter()
             for _ in stream:
-                yield (session, chat_view(session), *[gr.skip()] * 5)
-            yield (session, chat_view(session), *panel_view(session, layer, head))
+                if time.perf_counter() - last >= PANEL_EVERY_S:
+                    last = time.perf_counter()
+                    yield (session, chat_view(session), *panel_view(session, selection))
+                else:
+                    yield (session, chat_view(session), *[gr.skip()] * 5)
+            yield (session, chat_view(session), *panel_view(session, selection))
         return handler
 
     def run_now(action):
-        def handler(session, *args):
-            layer, head = args[-2:]
+        def handler(session, selection, *args):
+            *args, layer, head = args
+            selection.update(layer=layer, head=head)
             try:
-                session = action(session or new_session(), *args[:-2]) or session
+                session = action(session or new_session(), *args) or session
             except ValueError as e:
                 gr.Warning(str(e))
-            return (session, chat_view(session), *panel_view(session, layer, head))
+            return (session, chat_view(session), *panel_view(session, selection))
         return handler
+
+    def select(session, selection, layer, head):
+        selection.update(layer=layer, head=head)  # a reply streaming now picks this up at its next refresh
+        return panel_view(session, selection)
 
     def stop(session):
         if session is not None:
             session.stop()
 
-    def apply_cache(session, policy, budget, n_recent, n_sink, score, positions, layer, head,
+    def apply_cache(session, selection, policy, budget, n_recent, n_sink, score, positions, layer, head,
                     progress=gr.Progress()):
+        selection.update(layer=layer, head=head)
         session = session or new_session()
         session.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
         try:
@@ -109,7 +126,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
             gr.Warning(str(e))
         finally:
             session.on_progress = None
-        return (session, chat_view(session), *panel_view(session, layer, head))
+        return (session, chat_view(session), *panel_view(session, selection))
 
     def apply_sampling(session, system_prompt, temperature, top_p, max_new_tokens):
         session.configure(temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
@@ -149,6 +166,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
 
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
         session = gr.State(None, delete_callback=stop)  # one per tab; a closed tab stops and drops it
+        selection = gr.State({"layer": "all", "head": "all"})  # the panel's layer and head, per tab
         with gr.Row():
             with gr.Column(scale=3, min_width=320):
                 chatbot = gr.Chatbot(label="h2o-chat", height=460, buttons=["copy"])
@@ -211,28 +229,28 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
 
         panel_out = [token_map, stats, memory, slots, heavy]
         limit = dict(concurrency_limit=concurrency, concurrency_id="generate")
-        send_args = dict(fn=send, inputs=[text, session, layer, head], outputs=[text, session, chatbot, *panel_out])
+        view = [selection, layer, head]  # every event updates this tab's panel selection first
+        send_args = dict(fn=send, inputs=[text, session, *view], outputs=[text, session, chatbot, *panel_out])
         text.submit(**send_args, **limit, api_name="send")
         send_btn.click(**send_args, **limit, api_visibility="private")
         stop_btn.click(stop, inputs=session, queue=False, api_name="stop")
-        stream_io = dict(inputs=[session, layer, head], outputs=[session, chatbot, *panel_out])
-        regen_btn.click(run_stream(lambda s: s.regenerate()), **stream_io, **limit, api_name="regenerate")
-        cont_btn.click(run_stream(lambda s: s.continue_reply()), **stream_io, **limit, api_name="continue")
-        now_out = [session, chatbot, *panel_out]
-        undo_btn.click(run_now(lambda s: s.undo()), inputs=[session, layer, head], outputs=now_out, **limit,
-                       api_name="undo")
-        new_btn.click(run_now(new_chat), inputs=[session, layer, head], outputs=now_out, **limit, api_name="new_chat")
-        cache_btn.click(apply_cache, api_name="apply_cache", inputs=[session, policy, budget, n_recent, n_sink, score, positions,
-                                                      layer, head], outputs=now_out, **limit)
-        sampling_btn.click(run_now(apply_sampling), inputs=[session, system_prompt, temperature, top_p, max_new,
-                                                            layer, head], outputs=now_out, **limit)
-        edit_btn.click(run_now(edit), inputs=[session, turn, edit_text, layer, head], outputs=now_out, **limit)
-        pin_btn.click(run_now(pin), inputs=[session, turn, layer, head], outputs=now_out, **limit)
-        unpin_btn.click(run_now(unpin), inputs=[session, turn, layer, head], outputs=now_out, **limit)
-        restore_btn.click(run_now(restore), inputs=[session, saved, layer, head], outputs=now_out, **limit)
-        refresh_btn.click(saved_ids, outputs=saved)
-        export_btn.click(export, inputs=session, outputs=[export_md, export_json])
+        stream_io = dict(inputs=[session, *view], outputs=[session, chatbot, *panel_out], **limit)
+        regen_btn.click(run_stream(lambda s: s.regenerate()), **stream_io, api_name="regenerate")
+        cont_btn.click(run_stream(lambda s: s.continue_reply()), **stream_io, api_name="continue")
+        now = dict(outputs=[session, chatbot, *panel_out], **limit)
+        undo_btn.click(run_now(lambda s: s.undo()), inputs=[session, *view], **now, api_name="undo")
+        new_btn.click(run_now(new_chat), inputs=[session, *view], **now, api_name="new_chat")
+        cache_btn.click(apply_cache, inputs=[session, selection, policy, budget, n_recent, n_sink, score, positions,
+                                             layer, head], **now, api_name="apply_cache")
+        sampling_btn.click(run_now(apply_sampling), inputs=[session, selection, system_prompt, temperature, top_p,
+                                                            max_new, layer, head], **now, api_name="sampling")
+        edit_btn.click(run_now(edit), inputs=[session, selection, turn, edit_text, layer, head], **now, api_name="edit")
+        pin_btn.click(run_now(pin), inputs=[session, selection, turn, layer, head], **now, api_name="pin")
+        unpin_btn.click(run_now(unpin), inputs=[session, selection, turn, layer, head], **now, api_name="unpin")
+        restore_btn.click(run_now(restore), inputs=[session, selection, saved, layer, head], **now, api_name="restore")
+        refresh_btn.click(saved_ids, outputs=saved, api_name="saved_sessions")
+        export_btn.click(export, inputs=session, outputs=[export_md, export_json], api_name="export")
         for selector in (layer, head):
-            selector.change(lambda s, l, h: panel_view(s, l, h), inputs=[session, layer, head], outputs=panel_out)
+            selector.change(select, inputs=[session, *view], outputs=panel_out, api_name="select")
         demo.load(saved_ids, outputs=saved)
     return demo

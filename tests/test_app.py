@@ -1,6 +1,7 @@
 """The Gradio app, driven through its API with gradio_client: a tiny model, a real server on
 127.0.0.1, one session per client."""
 
+import json
 import socket
 import threading
 import time
@@ -93,3 +94,49 @@ def test_changing_the_cache_replays_the_chat(app_url):
     assert "**24** slots per head" in result[2]
     bad = client.predict("h2o", 0, 8, 4, "sum", "rolling", "all", "all", api_name="/apply_cache")
     assert "**24** slots per head" in bad[2]  # an impossible budget changes nothing
+
+
+def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(app_url):
+    client = Client(app_url, verbose=False)
+    job = client.submit("Tell me a very long story", "all", "all", api_name="/send")
+    while len(job.outputs()) < 3:
+        time.sleep(0.01)
+    client.predict("1", "0", api_name="/select")  # the tab's selectors change mid-reply
+    result = job.result()
+    assert "Layer 1, KV head 0: exactly the tokens this head keeps" in result[2]
+
+
+def test_every_chat_action_through_the_app(app_url, tmp_path):
+    client = Client(app_url, verbose=False)
+    chat = chat_of(client.predict("Once upon a time", "all", "all", api_name="/send"))
+    first_reply = text_of(chat[1])
+
+    chat = client.predict("all", "all", api_name="/continue")[0]
+    assert len(chat) == 2 and text_of(chat[1]).startswith(first_reply)  # the same reply, longer or equal
+
+    chat = client.predict("all", "all", api_name="/regenerate")[0]
+    assert [m["role"] for m in chat] == ["user", "assistant"] and text_of(chat[0]) == "Once upon a time"
+
+    chat = client.predict(0, "Twice upon a time", "all", "all", api_name="/edit")[0]
+    assert text_of(chat[0]) == "Twice upon a time"
+
+    view = client.predict(0, "all", "all", api_name="/pin")
+    assert "st-pinned" in view[1]  # the pinned message shows as pinned in the token map
+    view = client.predict(0, "all", "all", api_name="/unpin")
+    assert "st-pinned" not in view[1]
+
+    client.predict("You are terse.", 0, 0.9, 64, "all", "all", api_name="/sampling")
+    chat = chat_of(client.predict("And then?", "all", "all", api_name="/send"))
+    assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time", "And then?"]
+
+    markdown, record = client.predict(api_name="/export")
+    assert "And then?" in open(markdown, encoding="utf-8").read()
+    session_id = json.loads(open(record, encoding="utf-8").read())["id"]
+
+    chat = client.predict("all", "all", api_name="/undo")[0]
+    assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time"]
+    assert client.predict("all", "all", api_name="/new_chat")[0] == []
+
+    client.predict(api_name="/saved_sessions")
+    chat = client.predict(session_id, "all", "all", api_name="/restore")[0]
+    assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time"]  # as autosaved after the undo
