@@ -60,8 +60,10 @@ def main(argv=None):
         sys.exit(f"h2o-chat: {e}")
     demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency)
     demo.queue(default_concurrency_limit=args.concurrency)
+    # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
+    # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS,
-                show_error=True)
+                show_error=True, ssr_mode=False)
 
 
 if __name__ == "__main__":

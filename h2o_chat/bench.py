@@ -2,7 +2,9 @@
 
     dialogue one long chat over the user turns of a jsonl file: per turn time to first token,
              decode tokens/s, KV bytes and RSS for ChatSession with H2O (and with the full
-             cache), against a naive app that re-prefills the whole history every turn
+             cache), against a naive app that re-prefills the whole history every turn, and
+             against kvpress (its H2O-like ObservedAttentionPress, re-prefilling the history
+             each turn at the same budget; run in its own venv, --kvpress-python)
     decode   time per generated token and KV bytes after N tokens seen, for DynamicCache and
              H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict)
     prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
@@ -25,6 +27,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from . import kvpress_worker
 from .cache import H2OCache
 from .model import load_model
 from .session import ChatSession
@@ -57,14 +60,12 @@ def kv_bytes(cache):
 
 
 @torch.no_grad()
-def time_decode(model, prompt, cache, steps):
-    """Prefill `prompt`, then `steps` greedy tokens one by one; mean seconds per decode step."""
-    token = model(prompt, cache=cache).logits[:, -1:].argmax(-1)
-    token = model(token, cache=cache).logits[:, -1:].argmax(-1)  # one untimed step: warm-up
+def greedy_steps(model, token, cache, steps):
+    """`steps` greedy decode steps from `token` [batch, 1]; returns the last token and seconds."""
     start = time.perf_counter()
     for _ in range(steps):
         token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-    return (time.perf_counter() - start) / steps
+    return token, time.perf_counter() - start
 
 
 def markdown_table(rows, columns):
@@ -107,32 +108,107 @@ def write_plot(out, name, rows, x, y, series, title, logy=False):
 
 
 def cmd_decode(args):
+    """Each method prefills once per length; then timed windows of decode steps alternate between
+    the methods, so machine noise hits them alike. The median window is reported."""
     model, tokenizer = load_model(args.model)
     text = text_tokens(tokenizer, args.text, max(args.seen))
-    methods = ["dynamic", "full", "h2o", "h2o-noevict"]
     rows = []
-    for seen in args.seen:
-        prompt = text[:, :seen]
-        times = {m: [] for m in methods}
-        kv = {}
-        for _ in range(args.repeats):  # methods interleaved, so machine noise hits them alike
-            for m in methods:
-                if m == "h2o-noevict":
-                    cache = make_cache(model, "h2o", budget=seen + args.steps + 2)
-                else:
-                    cache = make_cache(model, m, budget=args.budget)
-                times[m].append(time_decode(model, prompt, cache, args.steps))
-                kv[m] = kv_bytes(cache)
-        base = statistics.median(times["dynamic"])
-        for m in methods:
+    for seen in tqdm(args.seen, desc="tokens seen"):
+        caches, tokens, times = {}, {}, {m: [] for m in args.methods}
+        for m in args.methods:
+            budget = seen + (args.repeats + 1) * args.steps + 2 if m == "h2o-noevict" else args.budget
+            caches[m] = make_cache(model, "h2o" if m == "h2o-noevict" else m, budget=budget)
+            with torch.no_grad():
+                tokens[m] = model(text[:, :seen], cache=caches[m]).logits[:, -1:].argmax(-1)
+            tokens[m], _ = greedy_steps(model, tokens[m], caches[m], 1)  # warm-up step, untimed
+        for _ in range(args.repeats):
+            for m in args.methods:
+                tokens[m], seconds = greedy_steps(model, tokens[m], caches[m], args.steps)
+                times[m].append(seconds / args.steps)
+        base = statistics.median(times[args.methods[0]])
+        for m in args.methods:
             t = statistics.median(times[m])
             rows.append({"seen": seen, "method": m, "ms_per_token": round(1000 * t, 2),
-                         "tokens_per_s": round(1 / t, 2), "vs_dynamic": f"{base / t:.2f}x",
-                         "kv_MiB": round(kv[m] / 2**20, 2)})
+                         "tokens_per_s": round(1 / t, 2), f"vs_{args.methods[0]}": f"{base / t:.2f}x",
+                         "kv_MiB": round(kv_bytes(caches[m]) / 2**20, 2)})
             print(rows[-1], flush=True)
+        del caches
     meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
             "steps": args.steps, "repeats": args.repeats, "threads": torch.get_num_threads()}
-    write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", "vs_dynamic", "kv_MiB"], meta)
+    write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
+                                             "kv_MiB"], meta)
+    write_plot(args.out, "decode-speed", rows, "seen", "tokens_per_s", "method", "decode speed vs tokens seen")
+    write_plot(args.out, "decode-memory", rows, "seen", "kv_MiB", "method", "KV cache size vs tokens seen")
+
+
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+
+
+def _generate_timed(model, prompt, cache, new_tokens):
+    """Seconds for prefill + new_tokens greedy tokens (min = max, so every run does the same work)."""
+    sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    sync()
+    return time.perf_counter() - start
+
+
+def cmd_batch(args):
+    """The paper's throughput setting: a random-init model of Llama-2-7B's shape, prompt +
+    generated tokens at several batch sizes, full cache vs h2o at a fraction of the sequence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench batch: needs a CUDA GPU (the paper's setting); none here, skipped.")
+        write_results(args.out, "batch", [], ["method"], {"command": "python -m h2o_chat.bench " + " ".join(args.argv),
+                                                           "skipped": "no CUDA GPU"})
+        return
+    shape = LLAMA2_7B if args.shape == "llama2-7b" else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                                num_attention_heads=4, num_key_value_heads=2,
+                                                                vocab_size=256, max_position_embeddings=4096)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(LlamaConfig(**shape)).to(dtype).eval()
+    budget = max(8, int(args.fraction * (args.prompt + args.new_tokens)))
+    rows = []
+
+    def run(method, batch):
+        prompt = torch.randint(0, shape["vocab_size"], (batch, args.prompt), device=args.device)
+        cache = DynamicCache() if method == "full" else make_cache(model, "h2o", budget=budget)
+        seconds = _generate_timed(model, prompt, cache, args.new_tokens)
+        return {"method": method, "batch": batch, "latency_s": round(seconds, 2),
+                "tokens_per_s": round(batch * args.new_tokens / seconds, 1), "kv_MiB": round(kv_bytes(cache) / 2**20, 3)}
+
+    for method in ("full", "h2o"):
+        rows.append({**run(method, args.batch), "measure": "same batch"})
+        print(rows[-1], flush=True)
+        batch = args.batch
+        while batch * 2 <= args.max_batch:  # double until the memory runs out: the largest batch that fits
+            try:
+                row = run(method, batch * 2)
+            except torch.OutOfMemoryError:
+                break
+            finally:
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+            batch *= 2
+            rows.append({**row, "measure": "larger batch"})
+            print(rows[-1], flush=True)
+    best = {m: max((r for r in rows if r["method"] == m), key=lambda r: r["tokens_per_s"]) for m in ("full", "h2o")}
+    same = {r["method"]: r for r in rows if r["measure"] == "same batch"}
+    summary = {"latency_full_over_h2o_same_batch": round(same["full"]["latency_s"] / same["h2o"]["latency_s"], 2),
+               "best_throughput_h2o_over_full": round(best["h2o"]["tokens_per_s"] / best["full"]["tokens_per_s"], 2),
+               "largest_batch": {m: best[m]["batch"] for m in best}}
+    print(json.dumps(summary))
+    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "shape": args.shape, "dtype": str(dtype),
+            "prompt": args.prompt, "new_tokens": args.new_tokens, "budget": budget, "summary": summary,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}
+    write_results(args.out, "batch", rows, ["method", "measure", "batch", "latency_s", "tokens_per_s", "kv_MiB"], meta)
+    write_plot(args.out, "batch", rows, "batch", "tokens_per_s", "method", "throughput vs batch size")
 
 
 def user_turns(path, n, cycle=False):
@@ -147,27 +223,56 @@ def user_turns(path, n, cycle=False):
     return [turns[i % len(turns)] for i in range(n)]
 
 
-@torch.no_grad()
-def naive_ttft(model, tokenizer, history, max_context):
-    """Time to first token of a typical app: re-render the history, drop the oldest turns while
-    it does not fit, and prefill it all with model.generate."""
+def history_ids(tokenizer, history, max_context):
+    """The history as a typical app renders it each turn, [1, n]: the chat template with the
+    generation prompt, the oldest turns dropped while it does not fit."""
     while True:
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
         if ids.shape[1] < max_context or len(history) <= 1:
-            break
+            return ids
         history = history[2:]
+
+
+@torch.no_grad()
+def naive_ttft(model, tokenizer, history, max_context):
+    """Time to first token of a typical app: re-render the history and prefill it all with
+    model.generate."""
+    ids = history_ids(tokenizer, history, max_context)
     start = time.perf_counter()
     model.generate(ids, cache=DynamicCache(), max_new_tokens=1, do_sample=False)
     return time.perf_counter() - start, ids.shape[1]
 
 
+def kvpress_dialogue_rows(args, model, worker, transcripts):
+    """The kvpress arm, timed in its venv on `transcripts` [(turn, ids [1, n])]: each turn
+    re-prefills the history under ObservedAttentionPress keeping --budget slots per layer and KV
+    head (H2O's budget), then greedy-decodes --new-tokens. Returns (rows, versions)."""
+    python, folder = worker
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    tasks = [{"kind": "generate", "press": "ObservedAttentionPress", "kept": args.budget, "input_ids": ids[0].tolist(),
+              "max_new_tokens": args.new_tokens, "eos_token_ids": eos} for _, ids in transcripts]
+    print(f"kvpress: timing {len(tasks)} turns in {python}", flush=True)
+    result = kvpress_worker.run_job(python, {"model": folder, "dtype": str(model.dtype), "device": str(model.device),
+                                             "threads": torch.get_num_threads(), "tasks": tasks})
+    rows = []
+    for (i, _), r in zip(transcripts, result["results"]):
+        rows.append({"turn": i, "method": "kvpress", "ttft_s": round(r["ttft_s"], 3),
+                     "decode_tok_s": round(r["decode_tok_s"], 2), "tokens_seen": r["n_tokens"],
+                     "kv_MiB": round(r["kv_bytes"] / 2**20, 2), "rss_MiB": ""})
+        print(rows[-1], flush=True)
+    return rows, result["versions"]
+
+
 def cmd_dialogue(args):
     model, tokenizer = load_model(args.model)
     turns = user_turns(args.turns_file, args.turns)
+    worker = kvpress_worker.worker_for(args.kvpress_python, model, "kvpress arm") if "kvpress" in args.methods else None
+    transcripts = []  # (turn, history ids) for the kvpress arm, timed in its own process after the chat
     rows = []
     for method in args.methods:
-        if method == "naive":
+        if method in ("naive", "kvpress"):
             continue
         cache = dict(policy="h2o", budget=args.budget, n_sink=4) if method == "h2o" else dict(policy="full")
         session = ChatSession(model, tokenizer, cache=cache, temperature=0, max_new_tokens=args.new_tokens)
@@ -185,25 +290,33 @@ def cmd_dialogue(args):
                 rows.append({"turn": i, "method": "naive", "ttft_s": round(t, 3), "decode_tok_s": "",
                              "tokens_seen": n, "kv_MiB": "", "rss_MiB": ""})
                 print(rows[-1], flush=True)
+            if worker and method == args.methods[0] and (i % args.naive_every == 0 or i == 1):
+                transcripts.append((i, history_ids(tokenizer, session.history[:-1], model.config.max_position_embeddings)))
             rows.append(row)
             print(row, flush=True)
+    versions = None
+    if transcripts:
+        kv_rows, versions = kvpress_dialogue_rows(args, model, worker, transcripts)
+        rows += kv_rows
     meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
-            "new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
+            "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "kvpress": versions}
     ttft = {(r["method"], r["turn"]): r["ttft_s"] for r in rows}
     summary = {}
     for method in args.methods:
         late = [ttft[(method, t)] for t in range(40, 61) if (method, t) in ttft]
         if late:
             summary[method] = {"ttft_turns_40_60_mean_s": round(statistics.mean(late), 3)}
-    if "naive" in summary and "h2o" in summary:
-        naive_turns = [t for t in range(40, 61) if ("naive", t) in ttft]
-        ratio = statistics.mean(ttft[("naive", t)] / ttft[("h2o", t)] for t in naive_turns)
-        summary["naive_over_h2o_turns_40_60"] = round(ratio, 1)
+    for other in ("naive", "kvpress"):
+        if other in summary and "h2o" in summary:
+            other_turns = [t for t in range(40, 61) if (other, t) in ttft]
+            ratio = statistics.mean(ttft[(other, t)] / ttft[("h2o", t)] for t in other_turns)
+            summary[f"{other}_over_h2o_turns_40_60"] = round(ratio, 1)
     if ("h2o", 5) in ttft and ("h2o", 60) in ttft:
         summary["h2o_turn60_over_turn5"] = round(ttft[("h2o", 60)] / ttft[("h2o", 5)], 2)
     meta["summary"] = summary
     print(json.dumps(summary, indent=1))
     write_results(args.out, "dialogue", rows, ["turn", "method", "ttft_s", "decode_tok_s", "tokens_seen", "kv_MiB", "rss_MiB"], meta)
+    write_plot(args.out, "dialogue", rows, "turn", "ttft_s", "method", "time to first token per turn", logy=True)
 
 
 def _rss_kib(field):
@@ -303,6 +416,7 @@ def cmd_soak(args):
         rows.append({"turn": i, "positions": args.positions, "tokens_seen": st["tokens_seen"],
                      "rss_MiB": round(_rss_kib("VmRSS") / 1024, 1), "ttft_s": round(st["ttft_s"], 3),
                      "decode_tok_s": round(st["tokens_per_s"], 2),
+                     "reply_tokens": session.last_turn.new_tokens,
                      "distinct2": round(distinct_bigrams(tokenizer(reply).input_ids), 3), "reply": reply[:200]})
     by_turn = {r["turn"]: r for r in rows}
     summary = {"turns_done": len(rows), "error": error, "tokens_seen": rows[-1]["tokens_seen"] if rows else 0,
@@ -314,16 +428,34 @@ def cmd_soak(args):
         first, last = rows[:20], rows[-21:]
         summary["distinct2_first_20"] = round(statistics.mean(r["distinct2"] for r in first), 3)
         summary["distinct2_last_21"] = round(statistics.mean(r["distinct2"] for r in last), 3)
+        # an empty or one-word reply has no repeated bigrams: report reply lengths beside the ratio
+        summary["reply_tokens_first_20"] = round(statistics.mean(r["reply_tokens"] for r in first), 1)
+        summary["reply_tokens_last_21"] = round(statistics.mean(r["reply_tokens"] for r in last), 1)
         summary["ttft_s_last_21_mean"] = round(statistics.mean(r["ttft_s"] for r in last), 3)
     print(json.dumps(summary, indent=1))
     meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
             "positions": args.positions, "new_tokens": args.new_tokens, "seed": args.seed, "summary": summary}
     name = f"soak-{args.positions}"
-    write_results(args.out, name, rows, ["turn", "tokens_seen", "rss_MiB", "ttft_s", "decode_tok_s", "distinct2"], meta)
+    write_results(args.out, name, rows, ["turn", "tokens_seen", "rss_MiB", "ttft_s", "decode_tok_s", "reply_tokens",
+                                         "distinct2"], meta)
     write_plot(args.out, name + "-rss", rows, "tokens_seen", "rss_MiB", "positions", "process RSS over the soak")
     write_plot(args.out, name + "-distinct2", rows, "turn", "distinct2", "positions", "distinct bigrams per reply")
     if error:
         raise SystemExit(f"soak failed: {error}")
+
+
+def add_quick(parser, **small):
+    """--quick: these smaller settings, wherever the command line did not set them."""
+    parser.add_argument("--quick", action="store_true", help="a short run: " + ", ".join(f"{k}={v}" for k, v in small.items()))
+    parser.set_defaults(quick_settings=small)
+
+
+def apply_quick(args, argv):
+    if getattr(args, "quick", False):
+        for name, value in args.quick_settings.items():
+            flag = "--" + name.replace("_", "-")
+            if not any(a == flag or a.startswith(flag + "=") for a in argv):
+                setattr(args, name, value)
 
 
 def base_parser(prog, doc):
@@ -344,16 +476,33 @@ def main(argv=None):
     p.add_argument("--turns", type=int, default=60)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["h2o", "naive", "full"],
-                   help="h2o, full (ChatSession) and naive; naive is timed on the first method's transcript")
-    p.add_argument("--naive-every", type=int, default=5, help="time the naive app every N turns")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["h2o", "naive", "kvpress", "full"],
+                   help="h2o, full (ChatSession), naive and kvpress; naive and kvpress are timed on the first "
+                        "method's transcript")
+    p.add_argument("--naive-every", type=int, default=5, help="time the naive app (and kvpress) every N turns")
+    p.add_argument("--kvpress-python", default=None,
+                   help=f"python of the kvpress venv (or ${kvpress_worker.ENV_VAR}); without one the kvpress arm is skipped")
+    add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=cmd_dialogue)
     p = sub.add_parser("decode", help="decode time per token vs tokens seen")
-    p.add_argument("--seen", type=lambda s: [int(x) for x in s.split(",")], default=[512, 4096])
-    p.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seen", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per method (median reported)")
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["full", "h2o"],
+                   help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached)")
+    add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
+    p = sub.add_parser("batch", help="the paper's batch throughput setting (CUDA)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="llama2-7b", choices=["llama2-7b", "tiny"])
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=2048)
+    p.add_argument("--fraction", type=float, default=0.2, help="h2o budget as a share of prompt + generated")
+    p.add_argument("--batch", type=int, default=8, help="the batch size both methods are timed at")
+    p.add_argument("--max-batch", type=int, default=1024)
+    add_quick(p, prompt=512, new_tokens=128, max_batch=32)
+    p.set_defaults(run=cmd_batch)
     p = sub.add_parser("prefill", help="peak memory of prefilling a long prompt")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--budget", type=int, default=512)
@@ -372,6 +521,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=cmd_soak)
     args = parser.parse_args(argv)
+    apply_quick(args, argv)
     args.argv = argv
     args.run(args)
 

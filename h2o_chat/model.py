@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .cache import SUPPORTED_MODEL_TYPES  # what H2OCache can run: the loader refuses the rest early
@@ -67,9 +68,14 @@ def load_model(spec=None, *, dtype="auto", device="auto", quantization=None, dev
     device: "auto" (CUDA when available, else CPU), or anything torch.device accepts.
     quantization: None, "4bit" or "8bit" (bitsandbytes, CUDA only).
     device_map: None, or "auto" to let accelerate spread the model over the GPUs.
-    trust_remote_code: forwarded to transformers only when True.
+    trust_remote_code: run Python code shipped with a model only when True. Always passed to
+        transformers explicitly: left unset, transformers would ask on the terminal instead
+        of refusing.
     cache_dir: root of h2o-chat's own cache (default $H2O_CHAT_CACHE, else ~/.cache/h2o-chat);
         holds the converted embedded model. Hub downloads use the Hugging Face cache (HF_HOME).
+
+    Weights are read only from .safetensors (or .gguf) files, never from pickled .bin/.pt
+    files, which can run code when loaded.
 
     Returns (model, tokenizer); the model is in eval mode with gradients off.
     Raises ModelLoadError (a ValueError) with a one-line message when the model cannot be used.
@@ -89,7 +95,7 @@ def load_model(spec=None, *, dtype="auto", device="auto", quantization=None, dev
         raise ModelLoadError(f"{label}: bitsandbytes quantization cannot be combined with a .gguf file; "
                              "load a transformers folder or hub id instead")
 
-    remote = {"trust_remote_code": True} if trust_remote_code else {}
+    remote = {"trust_remote_code": trust_remote_code is True}
     config = _load_config(source, label, remote)
     check_supported(config, label)
     tokenizer = _load_tokenizer(source, label, remote)
@@ -242,7 +248,7 @@ def check_supported(config, label: str = "model") -> None:
 def _load_tokenizer(source: ModelSource, label: str, remote: dict):
     try:
         return _from_pretrained(AutoTokenizer, source, **remote)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # the tokenizers library raises bare Exceptions for a malformed tokenizer.json
         raise ModelLoadError(f"could not load the tokenizer of {label}: {_first_line(error)}") from None
 
 
@@ -255,6 +261,8 @@ def _load_weights(source, label, config, torch_dtype, quantization_config, devic
         # Unpack every GGUF block into a plain dense model: the attention and cache code expect
         # ordinary nn.Linear layers, and only a dequantized model can be save_pretrained'ed.
         kwargs["quantization_config"] = GgufConfig(gguf_file=source.gguf_file, dequantize=True)
+    else:
+        kwargs["use_safetensors"] = True  # never unpickle a pytorch_model.bin: it can run code
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
         # bitsandbytes places weights while loading them; a quantized model cannot be .to()'ed.
@@ -264,11 +272,21 @@ def _load_weights(source, label, config, torch_dtype, quantization_config, devic
         kwargs["device_map"] = device_map
     try:
         model = _from_pretrained(AutoModelForCausalLM, source, **kwargs)
-    except OSError as error:
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:  # missing, corrupt, mismatched
+        if not source.gguf_file and source.local and _only_pickled_weights(Path(source.location)):
+            raise ModelLoadError(f"{label} has only pickled weights (.bin/.pt), which can run code when "
+                                 "loaded; h2o-chat reads .safetensors only (convert them once with "
+                                 "transformers' save_pretrained)") from None
         raise ModelLoadError(f"could not load the weights of {label}: {_first_line(error)}") from None
     if device_map is None:
         model = model.to(device)
     return model
+
+
+def _only_pickled_weights(folder: Path) -> bool:
+    names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    pickled = any(n.endswith((".bin", ".pt", ".pth")) for n in names)
+    return pickled and not any(n.endswith(".safetensors") for n in names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,12 +371,13 @@ def _write_converted(gguf_path: Path, out: Path) -> None:
     start = time.perf_counter()
     _say(f"converting the embedded {EMBEDDED_NAME} (first run only, about a minute) into {out.parent}")
     _say("[1/4] reading the GGUF config")
-    config = _load_config(source, EMBEDDED_NAME, {})
+    config = _load_config(source, EMBEDDED_NAME, {"trust_remote_code": False})
     check_supported(config, EMBEDDED_NAME)
     _say("[2/4] unpacking the weights")
-    model = _load_weights(source, EMBEDDED_NAME, config, torch.float32, None, torch.device("cpu"), None, {})
+    model = _load_weights(source, EMBEDDED_NAME, config, torch.float32, None, torch.device("cpu"), None,
+                          {"trust_remote_code": False})
     _say("[3/4] rebuilding the tokenizer")
-    tokenizer = _load_tokenizer(source, EMBEDDED_NAME, {})
+    tokenizer = _load_tokenizer(source, EMBEDDED_NAME, {"trust_remote_code": False})
     if tokenizer.chat_template is None:
         _say("warning: the GGUF carried no chat template")
     _say("[4/4] saving")

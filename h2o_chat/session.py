@@ -8,8 +8,11 @@ from its text, an edit, an undo) it rewinds to the latest snapshot that still ag
 replays from the start.
 """
 
+import math
+import numbers
 import threading
 import time
+import unicodedata
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -21,7 +24,66 @@ from .ledger import Ledger
 from .policy import CacheConfig
 
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
+AUTOSAVE_EVERY_S = 2.0  # while a reply streams: a crash loses at most this much of it
 _PLACEHOLDER = "\x00h2o-content-{}\x00"
+_INVISIBLE = ("Cc", "Cf")  # control and format characters (zero-width space, BOM, direction marks)
+
+
+class GenerationError(ValueError):
+    """The model could not run (out of memory). The session stays usable: a reply that was
+    streaming keeps what it had shown, the cache is back at a state it has fully seen, and a
+    message that never got a reply is taken back."""
+
+
+OUT_OF_MEMORY = ("out of memory: the model could not run. The reply stops here; lower the cache budget "
+                 "or max new tokens and try again")
+
+
+def check_text(text, what="the message", empty_ok=False):
+    """A message or system prompt: text (str), valid Unicode, at most MAX_MESSAGE_CHARS, and
+    (unless empty_ok) something visible. Everything else is kept exactly as typed: emoji,
+    right-to-left text, zero-width joiners, control characters and strings that look like
+    special tokens or template code are all plain text."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be text, not {type(text).__name__}")
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise ValueError(f"{what} is too long ({len(text):,} characters; the limit is {MAX_MESSAGE_CHARS:,})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer or file can hold it
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})") from None
+    if not empty_ok and all(c.isspace() or unicodedata.category(c) in _INVISIBLE for c in text):
+        raise ValueError(f"{what} is empty")
+    return text
+
+
+def _number(name, value, low=None, high=None, integer=False, low_open=False):
+    """A setting that must be a real number (bools, text, NaN refused) within bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if integer:
+        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+        value = int(value)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
+        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+    return value
+
+
+def cache_config(cache):
+    """A CacheConfig from a CacheConfig, a dict of its fields or None; ValueError otherwise."""
+    if isinstance(cache, CacheConfig):
+        return cache
+    if cache is None:
+        cache = {}
+    if not isinstance(cache, dict):
+        raise ValueError(f"cache settings must be a dict of CacheConfig fields, got {type(cache).__name__}")
+    unknown = sorted(set(cache) - set(CacheConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown cache setting {unknown[0]!r}; the settings are "
+                         f"{', '.join(CacheConfig.__dataclass_fields__)}")
+    return CacheConfig(**cache)
 
 
 @dataclass
@@ -37,13 +99,17 @@ class Sampling:
     stop: tuple = ()  # extra stop strings
 
     def __post_init__(self):
-        if not (0 <= self.temperature <= 5):
-            raise ValueError(f"temperature must be in [0, 5], got {self.temperature!r}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0 or self.max_new_tokens < 1 or self.repetition_penalty <= 0:
-            raise ValueError("top_k must be >= 0, max_new_tokens >= 1 and repetition_penalty > 0")
-        self.stop = tuple(self.stop)
+        self.temperature = _number("temperature", self.temperature, 0, 5)
+        self.top_p = _number("top_p", self.top_p, 0, 1, low_open=True)
+        self.top_k = _number("top_k", self.top_k, 0, integer=True)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0, low_open=True)
+        self.max_new_tokens = _number("max_new_tokens", self.max_new_tokens, 1, integer=True)
+        if self.seed is not None:
+            self.seed = _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = tuple(stop)
 
 
 @dataclass
@@ -64,17 +130,20 @@ class ChatSession:
     def __init__(self, model, tokenizer, cache=None, system_prompt=None, temperature=0.7, top_p=0.9, top_k=0,
                  repetition_penalty=1.0, max_new_tokens=256, seed=None, stop=(), data_dir=None, session_id=None):
         self.model, self.tokenizer = model, tokenizer
-        self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(**(cache or {}))
+        self.cache_config = cache_config(cache)
         self.sampling = Sampling(temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed, stop)
-        self.system_prompt = system_prompt or None
+        self.system_prompt = self._check_system_prompt(system_prompt)
         self.data_dir = data_dir
-        self.id = store.check_id(session_id) if session_id else uuid.uuid4().hex[:12]
+        self.id = store.check_id(session_id) if session_id is not None else uuid.uuid4().hex[:12]
         self.messages = []  # [{"role", "content", "pinned"}]
         self.on_progress = None  # callable(done, total) while a transcript is replayed
         self.last_turn = TurnStats()
         self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
         self.tokens_processed = 0  # every token run through the model, replays included
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards the two flags below against close() from another thread
+        self._busy = False  # a reply is being prepared or streamed
+        self._free_when_idle = False  # close() came while busy: free the cache when the reply ends
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self._stop_ids = self._find_stop_ids()
         self._new_cache()
@@ -106,7 +175,12 @@ class ChatSession:
         self._snapshots = self._snapshots[-1:] + [self._snapshot()]
         self.messages.append({"role": "user", "content": text, "pinned": False})
         self.autosave()  # a crash from here on loses at most the reply
-        return self._reply(self._render(add_generation_prompt=True), new_message=True)
+        try:
+            return self._reply(self._render(add_generation_prompt=True), new_message=True)
+        except GenerationError:  # the message could not even be read: take it back, as if never sent
+            self.messages.pop()
+            self.autosave()
+            raise
 
     def continue_reply(self):
         """Stream more of the last reply (it must be the assistant's)."""
@@ -115,11 +189,17 @@ class ChatSession:
         return self._reply(self._render(open_reply=True), new_message=False)
 
     def regenerate(self):
-        """Drop the last reply and draw a new one from the same state."""
-        if not self.messages or self.messages[-1]["role"] != "assistant":
+        """Drop the last reply and draw a new one from the same state. A last message that has
+        no reply (the app was killed while answering it) gets one."""
+        if not self.messages:
             raise ValueError("there is no reply to regenerate")
-        self.messages.pop()
-        return self._reply(self._render(add_generation_prompt=True), new_message=True)
+        dropped = self.messages.pop() if self.messages[-1]["role"] == "assistant" else None
+        try:
+            return self._reply(self._render(add_generation_prompt=True), new_message=True)
+        except GenerationError:
+            if dropped is not None:
+                self.messages.append(dropped)  # the old reply stays when no new one could be started
+            raise
 
     def undo(self):
         """Remove the last exchange (the reply and the message it answered)."""
@@ -135,7 +215,7 @@ class ChatSession:
     def edit(self, turn, text):
         """Replace the text of message `turn`; the cache replays from the first changed token."""
         self._check_turn(turn)
-        self.messages[turn]["content"] = self._check_message(text)
+        self.messages[turn]["content"] = self._check_message(text)  # checked before anything changes
         self._sync(self._render(open_reply=True))
         self.autosave()
 
@@ -147,6 +227,24 @@ class ChatSession:
     def stop(self):
         """Ask a streaming reply to end; safe from another thread. The partial reply is kept."""
         self._stop.set()
+
+    def close(self):
+        """The user has gone (a closed tab): stop the reply and free the KV cache, now or as soon
+        as the reply has stopped. Safe from another thread. The transcript stays, so a session
+        that is used again (the tab was only asleep) replays it into a fresh cache."""
+        self.stop()
+        with self._lock:
+            if self._busy:
+                self._free_when_idle = True
+                return
+            self._new_cache()
+
+    def _set_busy(self, busy):
+        with self._lock:
+            self._busy = busy
+            if not busy and self._free_when_idle:
+                self._free_when_idle = False
+                self._new_cache()
 
     def pin(self, turn, pinned=True):
         """Never evict this message's tokens (they count against the budget); pinned=False
@@ -162,17 +260,23 @@ class ChatSession:
 
     def configure(self, cache=None, system_prompt=..., **sampling):
         """Change cache settings (the transcript is replayed through a fresh cache), the system
-        prompt (replayed too) or sampling settings (no replay)."""
-        if sampling:
-            self.sampling = Sampling(**{**asdict(self.sampling), **sampling})
+        prompt (replayed too) or sampling settings (no replay). Everything is checked before
+        anything changes: a ValueError leaves the session as it was."""
+        unknown = sorted(set(sampling) - set(Sampling.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown setting {unknown[0]!r}")
+        new_sampling = Sampling(**{**asdict(self.sampling), **sampling}) if sampling else None
+        new_cache = cache_config(cache) if cache is not None else None
+        new_prompt = self._check_system_prompt(system_prompt) if system_prompt is not ... else ...
+        if new_sampling is not None:
+            self.sampling = new_sampling
             if "seed" in sampling:
                 self._generator = torch.Generator().manual_seed(self.sampling.seed) if self.sampling.seed is not None else None
         replay = False
-        if cache is not None:
-            self.cache_config = cache if isinstance(cache, CacheConfig) else CacheConfig(**cache)
-            replay = True
-        if system_prompt is not ...:
-            self.system_prompt, replay = system_prompt or None, True
+        if new_cache is not None:
+            self.cache_config, replay = new_cache, True
+        if new_prompt is not ...:
+            self.system_prompt, replay = new_prompt, True
         if replay:
             self._new_cache()
             self._sync(self._render(open_reply=True))
@@ -196,10 +300,12 @@ class ChatSession:
         """Load a saved session and replay its transcript through a fresh cache."""
         record = store.load(data_dir, session_id)
         try:
-            sampling = {k: v for k, v in record.get("sampling", {}).items() if k in Sampling.__dataclass_fields__}
-            session = cls(model, tokenizer, cache=CacheConfig(**record.get("cache", {})),
-                          system_prompt=record.get("system_prompt"), data_dir=data_dir, session_id=session_id,
-                          **sampling)
+            sampling, cache = record.get("sampling") or {}, record.get("cache") or {}
+            if not isinstance(sampling, dict) or not isinstance(cache, dict):
+                raise ValueError("the settings are not key-value maps")
+            sampling = {k: v for k, v in sampling.items() if k in Sampling.__dataclass_fields__}
+            session = cls(model, tokenizer, cache=cache, system_prompt=record.get("system_prompt"),
+                          data_dir=data_dir, session_id=session_id, **sampling)
         except (TypeError, ValueError) as e:
             raise store.SessionFileError(f"saved session {session_id!r} has invalid settings: {e}") from None
         session.on_progress = on_progress
@@ -275,6 +381,10 @@ class ChatSession:
             common += 1
         if common == len(self._fed):
             return common
+        return self._go_back(common)
+
+    def _go_back(self, common):
+        """Return to the latest snapshot of at most `common` tokens (or to empty); its length."""
         usable = [s for s in self._snapshots if s.n_fed <= common]
         if usable:
             snap = max(usable, key=lambda s: s.n_fed)
@@ -306,7 +416,16 @@ class ChatSession:
         for s in range(0, len(ids), chunk):
             part = ids[s : s + chunk]
             x = torch.tensor([part], device=self.model.device)
-            self._logits = self.model(x, cache=self.cache, logits_to_keep=1).logits[0, -1].float()
+            try:
+                self._logits = self.model(x, cache=self.cache, logits_to_keep=1).logits[0, -1].float()
+            except BaseException as e:
+                # some layers may have taken the part and others not: go back to a state the cache
+                # has fully seen (a snapshot, else empty); the next turn feeds the rest again
+                self._go_back(len(self._fed))
+                if isinstance(e, torch.OutOfMemoryError):
+                    _release_memory()
+                    raise GenerationError(OUT_OF_MEMORY) from None
+                raise
             self._fed += part
             self.tokens_processed += len(part)
             self._ledger.append(part, [self.tokenizer.decode([t]) for t in part], role, turn)
@@ -335,7 +454,12 @@ class ChatSession:
         """Generator: sync the cache to `segments`, then sample and stream a reply."""
         self._stop.clear()
         start = time.perf_counter()
-        self._sync(segments)
+        self._set_busy(True)  # until the stream ends: close() from another thread waits for it
+        try:
+            self._sync(segments)
+        except BaseException:
+            self._set_busy(False)
+            raise
         if new_message:
             self.messages.append({"role": "assistant", "content": "", "pinned": False})
         self._snapshots.append(self._snapshot())  # what regenerate returns to
@@ -348,11 +472,19 @@ class ChatSession:
         reply, emitted, text, cut = [], "", "", -1
         stats = TurnStats()
         first_at = None
+        saved_at = time.perf_counter()
         try:
             for step in range(self.sampling.max_new_tokens):
                 if self._stop.is_set():
                     break
-                token = self._sample(self._logits, ban_stop=ban_stop_first and step == 0)
+                if time.perf_counter() - saved_at >= AUTOSAVE_EVERY_S:  # a long reply is saved as it grows
+                    self.autosave()
+                    saved_at = time.perf_counter()
+                try:
+                    token = self._sample(self._logits, ban_stop=ban_stop_first and step == 0)
+                except torch.OutOfMemoryError:
+                    _release_memory()
+                    raise GenerationError(OUT_OF_MEMORY) from None
                 if token in self._stop_ids:
                     break
                 reply.append(token)
@@ -380,6 +512,7 @@ class ChatSession:
             self.last_turn = stats
             message["content"] = prefix + emitted
             self.turn_stats.append({"turn": turn, **self.stats})
+            self._set_busy(False)  # before saving: a failing disk must not keep close() waiting
             self.autosave()
 
     def _sample(self, logits, ban_stop=False):
@@ -419,12 +552,21 @@ class ChatSession:
 
     # --- internals: checks -------------------------------------------------------------------
     def _check_message(self, text):
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("the message is empty")
-        if len(text) > MAX_MESSAGE_CHARS:
-            raise ValueError(f"the message is too long ({len(text):,} characters; the limit is {MAX_MESSAGE_CHARS:,})")
-        return text
+        return check_text(text)
+
+    def _check_system_prompt(self, text):
+        """None or text; a blank one means no system prompt."""
+        if text is None:
+            return None
+        check_text(text, "the system prompt", empty_ok=True)
+        return text if text.strip() else None
 
     def _check_turn(self, turn):
         if not isinstance(turn, int) or not (0 <= turn < len(self.messages)):
             raise ValueError(f"no message {turn!r}: the history has {len(self.messages)} messages")
+
+
+def _release_memory():
+    """After an out-of-memory error, hand the failed allocation's cached blocks back to the GPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

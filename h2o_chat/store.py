@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 FORMAT_VERSION = 1
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let "id\n" through
 
 
 class SessionFileError(ValueError):
@@ -19,7 +19,7 @@ class SessionFileError(ValueError):
 
 
 def check_id(session_id):
-    if not isinstance(session_id, str) or not _ID.match(session_id):
+    if not isinstance(session_id, str) or not _ID.fullmatch(session_id):
         raise ValueError(f"invalid session id {session_id!r}: use 1-64 letters, digits, '-' or '_'")
     return session_id
 
@@ -50,8 +50,10 @@ def load(data_dir, session_id):
         raise SessionFileError(f"no saved session {session_id!r} in {data_dir}")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurd nesting
         raise SessionFileError(f"saved session {session_id!r} is corrupt ({e.__class__.__name__}: {e})") from None
+    except OSError as e:
+        raise SessionFileError(f"saved session {session_id!r} cannot be read ({e.strerror})") from None
     if not isinstance(record, dict) or not isinstance(record.get("version"), int):
         raise SessionFileError(f"saved session {session_id!r} is not an h2o-chat session file")
     if record["version"] > FORMAT_VERSION:
@@ -59,10 +61,23 @@ def load(data_dir, session_id):
                                f"(format {record['version']}, this one reads {FORMAT_VERSION})")
     messages = record.get("messages")
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+            isinstance(m, dict) and m.get("role") in ("user", "assistant") and _is_text(m.get("content"))
             for m in messages):
         raise SessionFileError(f"saved session {session_id!r} has a malformed transcript")
+    if not (record.get("system_prompt") is None or _is_text(record["system_prompt"])):
+        raise SessionFileError(f"saved session {session_id!r} has a malformed system prompt")
     return record
+
+
+def _is_text(value):
+    """A str that UTF-8 can hold (JSON's "\ud800" escapes decode to lone surrogates, which cannot)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def list_ids(data_dir):
@@ -70,7 +85,7 @@ def list_ids(data_dir):
     folder = Path(data_dir)
     if not folder.is_dir():
         return []
-    files = [p for p in folder.glob("*.json") if _ID.match(p.stem)]
+    files = [p for p in folder.glob("*.json") if _ID.fullmatch(p.stem) and p.is_file()]
     return [p.stem for p in sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 

@@ -39,7 +39,10 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         return ChatSession(model, tokenizer, cache=dict(cache_defaults), data_dir=data_dir, **(chat_defaults or {}))
 
     def chat_view(session):
-        return session.history if session else []
+        # typed text parts: Gradio runs a plain string through inspect.cleandoc, which would show
+        # pasted code dedented, tabs as spaces and edge blank lines dropped (and copy them so)
+        return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                for m in session.history] if session else []
 
     def panel_view(session, selection):
         """selection: this tab's {"layer", "head"}, a dict the selectors mutate, so a refresh in
@@ -64,7 +67,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
             yield (text, session, chat_view(session), *panel_view(session, selection))
             return
         last = 0.0
-        for _ in stream:
+        for _ in warn_on_error(stream):
             now = time.perf_counter()
             if now - last >= PANEL_EVERY_S:
                 last = now
@@ -86,7 +89,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 gr.Warning(str(e))
                 stream = ()
             last = time.perf_counter()
-            for _ in stream:
+            for _ in warn_on_error(stream):
                 if time.perf_counter() - last >= PANEL_EVERY_S:
                     last = time.perf_counter()
                     yield (session, chat_view(session), *panel_view(session, selection))
@@ -99,8 +102,10 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         def handler(session, selection, *args):
             *args, layer, head = args
             selection.update(layer=layer, head=head)
+            target = session or new_session()
             try:
-                session = action(session or new_session(), *args) or session
+                # keep the new session an action configured (settings applied before the first message)
+                session = action(target, *args) or target
             except ValueError as e:
                 gr.Warning(str(e))
             return (session, chat_view(session), *panel_view(session, selection))
@@ -114,14 +119,34 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         if session is not None:
             session.stop()
 
+    def close(session):
+        if session is not None:
+            session.close()
+
+    def warn_on_error(stream):
+        """A reply that fails midway (GenerationError: out of memory) ends with a warning; what it
+        streamed stays in the chat."""
+        try:
+            yield from stream
+        except ValueError as e:
+            gr.Warning(str(e))
+
+    def number(label, value, kind=int):
+        """A number field's value: an empty field or text is the user's to fix, not a crash."""
+        try:
+            return kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{label} must be a number, got {value!r}") from None
+
     def apply_cache(session, selection, policy, budget, n_recent, n_sink, score, positions, layer, head,
                     progress=gr.Progress()):
         selection.update(layer=layer, head=head)
         session = session or new_session()
         session.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
         try:
-            session.configure(cache=dict(policy=policy, budget=int(budget), n_recent=int(n_recent) or None,
-                                         n_sink=int(n_sink), score=score, positions=positions))
+            session.configure(cache=dict(policy=policy, budget=number("Budget", budget),
+                                         n_recent=number("Recent window", n_recent) or None,
+                                         n_sink=number("Sinks", n_sink), score=score, positions=positions))
         except ValueError as e:
             gr.Warning(str(e))
         finally:
@@ -129,7 +154,8 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         return (session, chat_view(session), *panel_view(session, selection))
 
     def apply_sampling(session, system_prompt, temperature, top_p, max_new_tokens):
-        session.configure(temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens),
+        session.configure(temperature=number("Temperature", temperature, float), top_p=number("Top-p", top_p, float),
+                          max_new_tokens=number("Max new tokens", max_new_tokens),
                           **({"system_prompt": system_prompt} if (system_prompt or None) != session.system_prompt else {}))
 
     def edit(session, turn, text):
@@ -165,7 +191,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         return str(md), str(js)
 
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
-        session = gr.State(None, delete_callback=stop)  # one per tab; a closed tab stops and drops it
+        session = gr.State(None, delete_callback=close)  # one per tab; see tab_closed
         selection = gr.State({"layer": "all", "head": "all"})  # the panel's layer and head, per tab
         with gr.Row():
             with gr.Column(scale=3, min_width=320):
@@ -253,4 +279,14 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         for selector in (layer, head):
             selector.change(select, inputs=[session, *view], outputs=panel_out, api_name="select")
         demo.load(saved_ids, outputs=saved)
+
+        def tab_closed(request: gr.Request):
+            """The tab's heartbeat ended (closed, reloaded or asleep). Gradio would keep its state an
+            hour and let a reply run to its end, holding the generation slot: stop the reply and
+            free the cache now. The transcript stays (and is saved): a tab that was only asleep
+            replays it at its next message."""
+            tab = demo.state_holder.session_data.get(request.session_hash)
+            close(tab.state_data.get(session._id) if tab else None)
+
+        demo.unload(tab_closed)
     return demo

@@ -23,13 +23,33 @@ def read(out, name):
 
 def test_bench_decode(tiny_model_dir, text_file, tmp_path):
     bench.main(["--model", str(tiny_model_dir), "--text", str(text_file), "--out", str(tmp_path),
-                "decode", "--seen", "32,64", "--steps", "3", "--repeats", "1", "--budget", "16"])
+                "decode", "--seen", "32,64", "--steps", "3", "--repeats", "2", "--budget", "16",
+                "--methods", "dynamic,full,h2o,h2o-noevict"])
     rows = read(tmp_path, "decode")
     assert {(r["seen"], r["method"]) for r in rows} == {
         (s, m) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict")}
     by = {(r["seen"], r["method"]): r for r in rows}
     # the H2O cache holds 16 slots per layer and head, the full ones everything
     assert by[(64, "h2o")]["kv_MiB"] < by[(64, "full")]["kv_MiB"] == by[(64, "dynamic")]["kv_MiB"]
+    assert (tmp_path / "decode-speed.png").stat().st_size > 0 and (tmp_path / "decode-memory.png").exists()
+
+
+def test_bench_batch_on_the_cpu(tmp_path):
+    # the real run needs CUDA and Llama-2-7B's shape; the same code on a tiny shape on the CPU
+    bench.main(["--out", str(tmp_path), "batch", "--device", "cpu", "--shape", "tiny", "--quick",
+                "--prompt", "64", "--new-tokens", "8", "--batch", "1", "--max-batch", "4"])
+    rows = read(tmp_path, "batch")
+    assert [(r["method"], r["batch"]) for r in rows] == [(m, b) for m in ("full", "h2o") for b in (1, 2, 4)]
+    assert all(r["latency_s"] > 0 for r in rows)
+    h2o = [r for r in rows if r["method"] == "h2o"]
+    assert all(r["kv_MiB"] < f["kv_MiB"] for r, f in zip(h2o, rows))  # budget 20% of 72 tokens
+
+
+def test_bench_batch_without_cuda_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    bench.main(["--out", str(tmp_path), "batch"])
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert json.loads((tmp_path / "batch.json").read_text())["meta"]["skipped"] == "no CUDA GPU"
 
 
 def test_bench_prefill(tiny_model_dir, text_file, tmp_path):
@@ -42,7 +62,7 @@ def test_bench_prefill(tiny_model_dir, text_file, tmp_path):
 
 def test_evaluate_ppl(tiny_model_dir, text_file, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(text_file),
-                   "--tokens", "120", "--budget", "24", "--chunk", "8"])
+                   "--tokens", "120", "--budget", "24", "--chunk", "8", "--long-tokens", "0"])
     rows = read(tmp_path, "ppl")
     assert [r["method"] for r in rows] == evaluate.PPL_METHODS
     assert all(r["ppl"] > 1 for r in rows)

@@ -98,7 +98,7 @@ def test_trust_remote_code_only_passed_when_asked(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(model_mod.AutoConfig, "from_pretrained", spy)
     # seen[0] is load_model's own call; later ones come from inside AutoTokenizer.
     load_model(tiny_model_dir, device="cpu")
-    assert "trust_remote_code" not in seen[0]
+    assert seen[0]["trust_remote_code"] is False  # explicitly: left unset, transformers asks on the terminal
     seen.clear()
     load_model(tiny_model_dir, device="cpu", trust_remote_code=True)
     assert seen[0]["trust_remote_code"] is True

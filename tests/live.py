@@ -1,0 +1,74 @@
+"""Helpers for tests that drive a live app: an in-process server on 127.0.0.1, what a
+gradio_client call showed (chat, warnings), a tiny chat model saved as a folder for `app.py`."""
+
+import socket
+from contextlib import contextmanager
+
+import torch
+
+from h2o_chat.ui import CSS, build
+from tests.conftest import make_tiny_chat
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, **chat_defaults):
+    """The app as `app.py` launches it (show_error on), on a free port; yields (url, demo)."""
+    if model is None:
+        model, tokenizer = make_tiny_chat()
+    defaults = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
+    cache = dict(defaults, **(cache or {}))
+    demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults)
+    demo.queue(default_concurrency_limit=concurrency)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True,
+                show_error=True)
+    try:
+        yield f"http://127.0.0.1:{port}/", demo
+    finally:
+        demo.close()
+
+
+def text_of(message):
+    """Gradio 6 sends a message's content as a list of typed parts."""
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def texts(chat):
+    return [(m["role"], text_of(m)) for m in chat]
+
+
+def warnings_of(job):
+    """The gr.Warning toasts a finished call showed, in order."""
+    found, updates = [], job.communicator.updates
+    while not updates.empty():
+        update = updates.get_nowait()
+        if getattr(update, "log", None) and update.log[1] == "warning":
+            found.append(update.log[0])
+    return found
+
+
+def never_ending(model, tokenizer):
+    """Make the tiny chat model (almost) never say <|im_end|>: every reply runs to
+    max_new_tokens, greedy or sampled as the app samples (top-p 0.9), so a reply is reliably
+    still streaming when a test interrupts it."""
+    with torch.no_grad():
+        model.model.norm.weight.mul_(50)  # peaked logits: top-p keeps only the top few tokens ...
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] = 0  # ... never this one (logit 0)
+    return model, tokenizer
+
+
+def save_tiny_chat(folder, never_ends=False):
+    """The conftest tiny chat model and tokenizer as a folder `load_model` (and so `app.py`) reads."""
+    model, tokenizer = make_tiny_chat()
+    if never_ends:
+        never_ending(model, tokenizer)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
