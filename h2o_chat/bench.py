@@ -331,13 +331,13 @@ def _prefill_peak(model_spec, text_path, n_tokens, method, budget, queue):
     model, tokenizer = load_model(model_spec)
     prompt = text_tokens(tokenizer, text_path, n_tokens)
     cache = make_cache(model, method, budget)
-    before = _rss_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = _rss_kib("VmHWM")  # the reset value, not VmRSS read separately: the peak can't go below it
     start = time.perf_counter()
     with torch.no_grad():
         model(prompt, cache=cache, logits_to_keep=1)
     seconds = time.perf_counter() - start
-    queue.put({"peak_MiB": round((_rss_kib("VmHWM") - before) / 1024, 1), "seconds": round(seconds, 2),
+    queue.put({"peak_MiB": round((_rss_kib("VmHWM") - before) / 1024, 1), "seconds": round(seconds, 4),
                "kv_MiB": round(kv_bytes(cache) / 2**20, 2)})
 
 

@@ -184,6 +184,19 @@ class H2OCache(Cache):
         """[batch, kv_heads, slots]: each slot's heavy-hitter score (what eviction ranks by)."""
         return self._score(self.layers[layer_idx])
 
+    def read_slots(self, layer_idx):
+        """(token_ids, scores), each [batch, kv_heads, slots], copied from one reading of the
+        layer: safe while another thread feeds the cache (the app's panel does this), where
+        calling token_ids() then scores() could see two different slot counts."""
+        layer = self.layers[layer_idx]
+        buf, n = layer.buf, layer.n_slots
+        if not buf:
+            return None, None
+        scores = buf["scores"][:, :, :n].clone()
+        if self.config.score == "mean":
+            scores = scores / buf["queries"][:, :, :n].clamp(min=1)
+        return buf["token_ids"][:, :, :n].clone(), scores
+
     def positions(self, layer_idx):
         """[batch, kv_heads, slots]: the RoPE position each cached key is rotated to."""
         return self.layers[layer_idx].positions

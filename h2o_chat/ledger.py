@@ -41,17 +41,19 @@ class Ledger:
         status [tokens]: sink / pinned / recent / heavy (h2o, once it evicts) or kept / evicted
         """
         n = len(self)
-        layers = [i for i, layer in enumerate(cache.layers) if layer.buf]
-        n_layers, n_heads = len(cache.layers), (cache.token_ids(layers[0]).shape[1] if layers else 1)
-        # the panel may read while a reply is being fed from another thread: the cache can then
-        # be ahead of the ledger, so tokens the ledger has not recorded yet land in a spare
-        # column that is dropped
+        # the panel may read while a reply is being fed from another thread: each layer is read
+        # in one go (read_slots), and the cache can be ahead of the ledger, so tokens the ledger
+        # has not recorded yet land in a spare column that is dropped
+        slots = {i: cache.read_slots(i) for i, layer in enumerate(cache.layers) if layer.buf}
+        layers = [i for i, (ids, _) in slots.items() if ids is not None]
+        n_layers, n_heads = len(cache.layers), (slots[layers[0]][0].shape[1] if layers else 1)
         kept = torch.zeros(n_layers, n_heads, n + 1, dtype=torch.bool)
         score = torch.zeros(n_layers, n_heads, n + 1)
         for i in layers:
-            ids = cache.token_ids(i)[0].cpu().clamp(max=n)
+            ids, scores = slots[i]
+            ids = ids[0].cpu().clamp(max=n)
             kept[i].scatter_(1, ids, True)
-            score[i].scatter_(1, ids, cache.scores(i)[0].float().cpu())
+            score[i].scatter_(1, ids, scores[0].float().cpu())
         kept, score = kept[..., :n], score[..., :n]
         fraction = kept.float().mean(dim=(0, 1))
         lim = cache.limits

@@ -269,3 +269,32 @@ def test_ledger_retention_while_the_cache_is_ahead(tiny_chat):
     session.ledger.truncate(n - 3)
     ret = session.ledger.retention(session.cache)
     assert ret["kept"].shape[-1] == n - 3 and len(ret["status"]) == n - 3
+
+
+@pytest.mark.parametrize("score", ["sum", "mean"])
+def test_ledger_retention_read_from_another_thread_while_streaming(tiny_chat, score):
+    # the app's panel reads the cache from a request thread while the reply is being fed on
+    # another; a read that caught a layer between two slot counts used to raise
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12, score=score),
+                          temperature=0, max_new_tokens=30)
+    done, errors, reads = threading.Event(), [], [0]
+
+    def panel_reader():
+        while not done.is_set():
+            try:
+                ret = session.ledger.retention(session.cache)
+                assert len(ret["status"]) == ret["kept"].shape[-1]
+                reads[0] += 1
+            except Exception as e:  # noqa: BLE001 - any failure is the bug
+                errors.append(repr(e))
+                return
+
+    reader = threading.Thread(target=panel_reader)
+    reader.start()
+    try:
+        chat(session, USER_TURNS * 2)
+    finally:
+        done.set()
+        reader.join()
+    assert errors == [] and reads[0] > 10
