@@ -479,7 +479,8 @@ def main(argv=None):
     p.add_argument("--methods", type=lambda s: s.split(","), default=["h2o", "naive", "kvpress", "full"],
                    help="h2o, full (ChatSession), naive and kvpress; naive and kvpress are timed on the first "
                         "method's transcript")
-    p.add_argument("--naive-every", type=int, default=5, help="time the naive app (and kvpress) every N turns")
+    p.add_argument("--naive-every", type=int, default=10,
+                   help="time the naive app and kvpress at turn 1 and every N turns (they re-read the whole history)")
     p.add_argument("--kvpress-python", default=None,
                    help=f"python of the kvpress venv (or ${kvpress_worker.ENV_VAR}); without one the kvpress arm is skipped")
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
@@ -506,11 +507,13 @@ def main(argv=None):
     p = sub.add_parser("prefill", help="peak memory of prefilling a long prompt")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--budget", type=int, default=512)
+    add_quick(p, tokens=1024)
     p.set_defaults(run=cmd_prefill)
     p = sub.add_parser("panel", help="the live panel's cost")
     p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=512)
+    add_quick(p, tokens=2000, new_tokens=32)
     p.set_defaults(run=cmd_panel)
     p = sub.add_parser("soak", help="one session over many turns: memory, speed, reply quality")
     p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))
@@ -519,6 +522,7 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--positions", default="rolling", choices=["rolling", "absolute"])
     p.add_argument("--seed", type=int, default=0)
+    add_quick(p, turns=8, new_tokens=16)
     p.set_defaults(run=cmd_soak)
     args = parser.parse_args(argv)
     apply_quick(args, argv)

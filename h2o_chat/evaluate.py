@@ -12,8 +12,10 @@
           of the tokens that follow over the compressed cache: ours (h2o with each score mode,
           sink, window) against kvpress's presses, run in their own venv (--kvpress-python)
 
-The text is fed in chunks of --chunk tokens (1 is strict token-by-token streaming; larger is
-faster, and the cache then holds up to budget + chunk - 1 tokens while a chunk is attended).
+The caches evict every --chunk tokens (1 is strict token-by-token streaming; larger is faster,
+and the cache then holds up to budget + chunk - 1 tokens while a chunk is attended). The model
+itself is called on --feed tokens at a time: H2OCache splits them into --chunk pieces inside each
+layer, which gives exactly what feeding --chunk tokens per call gives, with far fewer calls.
 """
 
 import itertools
@@ -48,14 +50,14 @@ def numbers(text):
 
 
 @torch.no_grad()
-def streaming_nlls(model, tokens, cache, chunk):
-    """Negative log-likelihood of each of tokens[1:] given everything before it, fed chunk by
-    chunk: a float tensor [n - 1]."""
+def streaming_nlls(model, tokens, cache, feed):
+    """Negative log-likelihood of each of tokens[1:] given everything before it, the model called
+    on `feed` tokens at a time (the cache evicts at its own prefill_chunk): a float tensor [n - 1]."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     nlls = []
-    for s in tqdm(range(0, inputs.shape[1], chunk), leave=False, desc="tokens", unit_scale=chunk):
-        logits = model(inputs[:, s : s + chunk], cache=cache).logits.float()
-        nlls.append(torch.nn.functional.cross_entropy(logits[0], targets[0, s : s + chunk], reduction="none"))
+    for s in tqdm(range(0, inputs.shape[1], feed), leave=False, desc="tokens", unit_scale=feed):
+        logits = model(inputs[:, s : s + feed], cache=cache).logits.float()
+        nlls.append(torch.nn.functional.cross_entropy(logits[0], targets[0, s : s + feed], reduction="none"))
     return torch.cat(nlls)
 
 
@@ -103,7 +105,7 @@ def cmd_ppl(args):
     for label, method, kw, limits in ppl_configs(args, budgets):
         cache = H2OCache(model, prefill_chunk=args.chunk, **kw)
         start = time.perf_counter()
-        ppl = ppl_of(streaming_nlls(model, tokens, cache, args.chunk))
+        ppl = ppl_of(streaming_nlls(model, tokens, cache, args.feed))
         unbounded = kw["policy"] == "full"
         rows.append({"label": label, "method": method, "budget": "all" if unbounded else limits.budget,
                      "budget_pct": "100%" if unbounded else f"{limits.budget / args.tokens:.0%}",
@@ -143,7 +145,7 @@ def long_ppl(args, model, tokenizer):
         cache = make_cache(model, method, budget=args.long_budget, n_sink=args.n_sink[0], n_recent=n_recent,
                            positions=args.positions[0], prefill_chunk=args.chunk)
         start = time.perf_counter()
-        nlls[method] = streaming_nlls(model, tokens[:, :max_positions] if policy == "full" else tokens, cache, args.chunk)
+        nlls[method] = streaming_nlls(model, tokens[:, :max_positions] if policy == "full" else tokens, cache, args.feed)
         seconds[method] = round(time.perf_counter() - start, 1)
         print(f"long: {method} {len(nlls[method])} tokens scored, ppl {ppl_of(nlls[method])}, {seconds[method]} s",
               flush=True)
@@ -363,7 +365,8 @@ def main(argv=None):
                    help="h2o's recent window: fractions of the budget (0.25,0.5,0.75), counts, or auto "
                         "(half of what the sinks leave); the heavy hitters get the rest")
     p.add_argument("--positions", type=lambda s: s.split(","), default=["rolling"], help="rolling, absolute or both")
-    p.add_argument("--chunk", type=int, default=16, help="tokens fed per forward step")
+    p.add_argument("--chunk", type=int, default=16, help="the caches evict every this many tokens")
+    p.add_argument("--feed", type=int, default=512, help="tokens per model call (the figures do not depend on it)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=PPL_METHODS)
     p.add_argument("--long-tokens", type=int, default=20480, help="the long part's length (0: skip it)")
     p.add_argument("--long-budget", type=int, default=512)

@@ -88,3 +88,34 @@ def test_bench_panel(tiny_chat, text_file, tmp_path, monkeypatch):
     rows = read(tmp_path, "panel")
     assert [r["measure"] for r in rows][:4] == ["decode without panel", "decode with panel"] * 2
     assert rows[-1]["measure"].startswith("render panel of ") and rows[-1]["value"] >= 0
+
+
+def test_bench_soak(tiny_chat, tmp_path, monkeypatch):
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?"]}\n')
+    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    bench.main(["--out", str(tmp_path), "soak", "--quick", "--turns-file", str(turns), "--budget", "32"])
+    data = json.loads((tmp_path / "soak-rolling.json").read_text())
+    # --quick: 8 turns; the file has 3, so it starts over
+    assert [r["turn"] for r in data["rows"]] == list(range(1, 9))
+    assert data["meta"]["summary"]["turns_done"] == 8 and data["meta"]["summary"]["error"] is None
+    assert all(r["reply_tokens"] <= 16 for r in data["rows"])
+
+
+def test_bench_soak_reports_a_failed_turn(tiny_chat, tmp_path, monkeypatch):
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text('{"turns": ["Hi there", "Tell me more", "Boom", "Never sent"]}\n')
+    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    send = bench.ChatSession.send
+
+    def failing_send(self, text, *args, **kwargs):
+        if text == "Boom":
+            raise RuntimeError("simulated failure")
+        return send(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(bench.ChatSession, "send", failing_send)
+    with pytest.raises(SystemExit, match="soak failed: turn 3: RuntimeError: simulated failure"):
+        bench.main(["--out", str(tmp_path), "soak", "--turns", "4", "--new-tokens", "4", "--turns-file", str(turns),
+                    "--budget", "32"])
+    data = json.loads((tmp_path / "soak-rolling.json").read_text())
+    assert [r["turn"] for r in data["rows"]] == [1, 2]  # what ran before the failure is kept

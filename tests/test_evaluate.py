@@ -4,8 +4,11 @@ parse and have the rows they should. The figures are measurements, not asserted.
 import json
 
 import pytest
+import torch
 
 from h2o_chat import evaluate
+from h2o_chat.bench import make_cache
+from tests.conftest import make_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,21 @@ def test_numbers():
     assert evaluate.numbers("0.1,0.2,0.5") == [0.1, 0.2, 0.5]
     assert evaluate.numbers("410,820") == [410, 820]
     assert evaluate.numbers("auto,0.25") == [None, 0.25]
+
+
+@pytest.mark.parametrize("method", ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"])
+@pytest.mark.parametrize("positions", ["rolling", "absolute"])
+def test_feeding_many_tokens_per_call_changes_nothing(method, positions):
+    # --feed is only speed: the cache evicts every prefill_chunk tokens inside each layer, which
+    # must give the same NLLs as calling the model on prefill_chunk tokens at a time
+    model = make_tiny_llama(torch.float64)
+    tokens = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))
+
+    def nlls(feed):
+        cache = make_cache(model, method, budget=40, n_sink=2, positions=positions, prefill_chunk=8)
+        return evaluate.streaming_nlls(model, tokens, cache, feed)
+
+    torch.testing.assert_close(nlls(64), nlls(8), rtol=1e-10, atol=1e-10)
 
 
 def test_ppl_budgets_and_the_long_part(tiny_model_dir, long_text, tmp_path):
