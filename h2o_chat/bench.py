@@ -35,9 +35,20 @@ from .session import ChatSession
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def read_input(path):
+    """A text or jsonl input's contents; a missing one ends the command with a message that says
+    where the defaults live, instead of a traceback."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file. The default inputs live in ../shared/data next to the project "
+                         "checkout; pass your own with --text (any UTF-8 text), --turns-file (jsonl with a "
+                         "`turns` list per line) or --file.")
+    return path.read_text(encoding="utf-8")
+
+
 def text_tokens(tokenizer, path, n_tokens):
     """The first n_tokens tokens of a text file, [1, n_tokens]."""
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_input(path)
     ids = tokenizer(text[: n_tokens * 8], return_tensors="pt").input_ids
     if ids.shape[1] < n_tokens:
         raise ValueError(f"{path} has only {ids.shape[1]} tokens, {n_tokens} wanted")
@@ -215,7 +226,7 @@ def user_turns(path, n, cycle=False):
     """The first n user turns of a jsonl file with a `turns` list per line; with cycle, a file
     with fewer starts over (the shared MT-Bench file has 79 questions, 158 turns)."""
     turns = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in read_input(path).splitlines():
         if line.strip():
             turns += json.loads(line)["turns"]
     if len(turns) < n and not (cycle and turns):

@@ -31,8 +31,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from . import kvpress_worker
-from .bench import (DATA_DIR, add_quick, apply_quick, base_parser, kv_bytes, make_cache, text_tokens, write_plot,
-                    write_results)
+from .bench import (DATA_DIR, add_quick, apply_quick, base_parser, kv_bytes, make_cache, read_input, text_tokens,
+                    write_plot, write_results)
 from .cache import H2OCache
 from .model import load_model
 from .policy import CacheConfig
@@ -176,7 +176,7 @@ def long_ppl(args, model, tokenizer):
 
 def read_requests(path, limit=None):
     """The requests of a jsonl file (one JSON object a line), the first `limit` of them."""
-    requests = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    requests = [json.loads(line) for line in read_input(path).splitlines() if line.strip()]
     return requests[:limit] if limit else requests
 
 

@@ -119,3 +119,27 @@ def test_bench_soak_reports_a_failed_turn(tiny_chat, tmp_path, monkeypatch):
                     "--budget", "32"])
     data = json.loads((tmp_path / "soak-rolling.json").read_text())
     assert [r["turn"] for r in data["rows"]] == [1, 2]  # what ran before the failure is kept
+
+
+@pytest.mark.parametrize("argv", [
+    ["decode", "--quick"],  # --text is a top-level option of bench
+    ["dialogue", "--quick", "--turns-file", "{missing}"],
+    ["soak", "--quick", "--turns-file", "{missing}"],
+])
+def test_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatch, argv):
+    # a checkout without ../shared/data next to it gets a message, not a traceback
+    missing = str(tmp_path / "nowhere.txt")
+    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    argv = [a.format(missing=missing) for a in argv]
+    with pytest.raises(SystemExit, match="nowhere.txt: no such file.*--text"):
+        bench.main(["--out", str(tmp_path), "--text", missing, *argv])
+
+
+@pytest.mark.parametrize("argv", [["ppl", "--quick", "--text", "{missing}"],
+                                  ["compress", "--quick", "--text", "{missing}"],
+                                  ["summarize", "--quick", "--file", "{missing}"]])
+def test_evaluate_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatch, argv):
+    missing = str(tmp_path / "nowhere.txt")
+    monkeypatch.setattr(evaluate, "load_model", lambda spec: tiny_chat)
+    with pytest.raises(SystemExit, match="nowhere.txt: no such file"):
+        evaluate.main(["--out", str(tmp_path), *[a.format(missing=missing) for a in argv]])
