@@ -5,6 +5,7 @@ session into what the panel shows. Errors a user can cause (ValueError) become a
 and leave the conversation as it was.
 """
 
+import inspect
 import json
 import tempfile
 import time
@@ -109,6 +110,11 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
             except ValueError as e:
                 gr.Warning(str(e))
             return (session, chat_view(session), *panel_view(session, selection))
+        # Gradio names API parameters after the handler's signature: give it the action's names
+        # (/edit takes turn, text, layer, head) instead of param_2, param_3, ...
+        names = ["session", "selection", *list(inspect.signature(action).parameters)[1:], "layer", "head"]
+        handler.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
         return handler
 
     def select(session, selection, layer, head):

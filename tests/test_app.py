@@ -106,6 +106,18 @@ def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(app_url):
     assert "Layer 1, KV head 0: exactly the tokens this head keeps" in result[2]
 
 
+def test_api_parameters_have_their_names(app_url):
+    # a script driving the app through gradio_client sees what each argument is
+    api = Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
+    names = {route: [p["parameter_name"] for p in api[route]["parameters"]] for route in api}
+    assert names["/send"] == ["text", "layer", "head"]
+    assert names["/edit"] == ["turn", "text", "layer", "head"]
+    assert names["/pin"] == names["/unpin"] == ["turn", "layer", "head"]
+    assert names["/restore"] == ["session_id", "layer", "head"]
+    assert names["/undo"] == names["/new_chat"] == names["/regenerate"] == ["layer", "head"]
+    assert names["/sampling"] == ["system_prompt", "temperature", "top_p", "max_new_tokens", "layer", "head"]
+
+
 def test_every_chat_action_through_the_app(app_url, tmp_path):
     client = Client(app_url, verbose=False)
     chat = chat_of(client.predict("Once upon a time", "all", "all", api_name="/send"))
