@@ -17,7 +17,6 @@ Every figure comes from running the model here; results go to --out as JSON and 
 import argparse
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -144,7 +143,7 @@ def cmd_decode(args):
                          "kv_MiB": round(kv_bytes(caches[m]) / 2**20, 2)})
             print(rows[-1], flush=True)
         del caches
-    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget,
             "steps": args.steps, "repeats": args.repeats, "threads": torch.get_num_threads()}
     write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
                                              "kv_MiB"], meta)
@@ -174,7 +173,7 @@ def cmd_batch(args):
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench batch: needs a CUDA GPU (the paper's setting); none here, skipped.")
-        write_results(args.out, "batch", [], ["method"], {"command": "python -m h2o_chat.bench " + " ".join(args.argv),
+        write_results(args.out, "batch", [], ["method"], {"command": args.command_line,
                                                            "skipped": "no CUDA GPU"})
         return
     shape = LLAMA2_7B if args.shape == "llama2-7b" else dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -215,7 +214,7 @@ def cmd_batch(args):
                "best_throughput_h2o_over_full": round(best["h2o"]["tokens_per_s"] / best["full"]["tokens_per_s"], 2),
                "largest_batch": {m: best[m]["batch"] for m in best}}
     print(json.dumps(summary))
-    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "shape": args.shape, "dtype": str(dtype),
+    meta = {"command": args.command_line, "shape": args.shape, "dtype": str(dtype),
             "prompt": args.prompt, "new_tokens": args.new_tokens, "budget": budget, "summary": summary,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}
     write_results(args.out, "batch", rows, ["method", "measure", "batch", "latency_s", "tokens_per_s", "kv_MiB"], meta)
@@ -246,27 +245,24 @@ def history_ids(tokenizer, history, max_context):
 
 
 @torch.no_grad()
-def naive_ttft(model, tokenizer, history, max_context):
-    """Time to first token of a typical app: re-render the history and prefill it all with
-    model.generate."""
-    ids = history_ids(tokenizer, history, max_context)
+def naive_ttft(model, ids):
+    """Time to first token of a typical app, given the history it rendered (`history_ids`):
+    prefill it all with model.generate."""
     start = time.perf_counter()
     model.generate(ids, cache=DynamicCache(), max_new_tokens=1, do_sample=False)
-    return time.perf_counter() - start, ids.shape[1]
+    return time.perf_counter() - start
 
 
 def kvpress_dialogue_rows(args, model, worker, transcripts):
     """The kvpress arm, timed in its venv on `transcripts` [(turn, ids [1, n])]: each turn
     re-prefills the history under ObservedAttentionPress keeping --budget slots per layer and KV
     head (H2O's budget), then greedy-decodes --new-tokens. Returns (rows, versions)."""
-    python, folder = worker
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
     tasks = [{"kind": "generate", "press": "ObservedAttentionPress", "kept": args.budget, "input_ids": ids[0].tolist(),
               "max_new_tokens": args.new_tokens, "eos_token_ids": eos} for _, ids in transcripts]
-    print(f"kvpress: timing {len(tasks)} turns in {python}", flush=True)
-    result = kvpress_worker.run_job(python, {"model": folder, "dtype": str(model.dtype), "device": str(model.device),
-                                             "threads": torch.get_num_threads(), "tasks": tasks})
+    print(f"kvpress: timing {len(tasks)} turns in {worker[0]}", flush=True)
+    result = kvpress_worker.run_tasks(worker, model, tasks)
     rows = []
     for (i, _), r in zip(transcripts, result["results"]):
         rows.append({"turn": i, "method": "kvpress", "ttft_s": round(r["ttft_s"], 3),
@@ -294,22 +290,23 @@ def cmd_dialogue(args):
             row = {"turn": i, "method": method, "ttft_s": round(st["ttft_s"], 3),
                    "decode_tok_s": round(st["tokens_per_s"], 2), "tokens_seen": st["tokens_seen"],
                    "kv_MiB": round(st["kv_bytes"] / 2**20, 2), "rss_MiB": round(_rss_kib("VmRSS") / 1024)}
-            if "naive" in args.methods and method == args.methods[0] and (i % args.naive_every == 0 or i == 1):
-                # the naive app answers the same transcript: its time to first token depends on
-                # the history's length, not on what it would have replied
-                t, n = naive_ttft(model, tokenizer, session.history[:-1], model.config.max_position_embeddings)
-                rows.append({"turn": i, "method": "naive", "ttft_s": round(t, 3), "decode_tok_s": "",
-                             "tokens_seen": n, "kv_MiB": "", "rss_MiB": ""})
-                print(rows[-1], flush=True)
-            if worker and method == args.methods[0] and (i % args.naive_every == 0 or i == 1):
-                transcripts.append((i, history_ids(tokenizer, session.history[:-1], model.config.max_position_embeddings)))
+            if method == args.methods[0] and (i % args.naive_every == 0 or i == 1):
+                # the naive app and kvpress answer the same transcript: their time to first token
+                # depends on the history's length, not on what they would have replied
+                ids = history_ids(tokenizer, session.history[:-1], model.config.max_position_embeddings)
+                if "naive" in args.methods:
+                    rows.append({"turn": i, "method": "naive", "ttft_s": round(naive_ttft(model, ids), 3),
+                                 "decode_tok_s": "", "tokens_seen": ids.shape[1], "kv_MiB": "", "rss_MiB": ""})
+                    print(rows[-1], flush=True)
+                if worker:
+                    transcripts.append((i, ids))
             rows.append(row)
             print(row, flush=True)
     versions = None
     if transcripts:
         kv_rows, versions = kvpress_dialogue_rows(args, model, worker, transcripts)
         rows += kv_rows
-    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget,
             "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "kvpress": versions}
     ttft = {(r["method"], r["turn"]): r["ttft_s"] for r in rows}
     summary = {}
@@ -363,7 +360,7 @@ def cmd_prefill(args):
         proc.join()
         rows.append({"method": method, "tokens": args.tokens, **result})
         print(rows[-1], flush=True)
-    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget,
             "note": "peak RSS above the RSS before the prefill, each method in a fresh process"}
     write_results(args.out, "prefill", rows, ["method", "tokens", "peak_MiB", "kv_MiB", "seconds"], meta)
 
@@ -398,7 +395,7 @@ def cmd_panel(args):
         rows.append({"measure": f"render panel of {len(session.ledger):,} tokens", "value":
                      round(time.perf_counter() - start, 3), "unit": "s"})
         print(rows[-1], f"{len(view['token_map']) / 1e6:.2f} MB of HTML", flush=True)
-    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget,
             "refresh_every_s": PANEL_EVERY_S}
     write_results(args.out, "panel", rows, ["measure", "value", "unit"], meta)
 
@@ -444,7 +441,7 @@ def cmd_soak(args):
         summary["reply_tokens_last_21"] = round(statistics.mean(r["reply_tokens"] for r in last), 1)
         summary["ttft_s_last_21_mean"] = round(statistics.mean(r["ttft_s"] for r in last), 3)
     print(json.dumps(summary, indent=1))
-    meta = {"command": "python -m h2o_chat.bench " + " ".join(args.argv), "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget,
             "positions": args.positions, "new_tokens": args.new_tokens, "seed": args.seed, "summary": summary}
     name = f"soak-{args.positions}"
     write_results(args.out, name, rows, ["turn", "tokens_seen", "rss_MiB", "ttft_s", "decode_tok_s", "reply_tokens",
@@ -537,7 +534,7 @@ def main(argv=None):
     p.set_defaults(run=cmd_soak)
     args = parser.parse_args(argv)
     apply_quick(args, argv)
-    args.argv = argv
+    args.command_line = "python -m h2o_chat.bench " + " ".join(argv)  # what the results say made them
     args.run(args)
 
 

@@ -23,6 +23,7 @@ replace"), so a step copies one slot per head instead of the whole cache.
 """
 
 import warnings
+from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -186,16 +187,14 @@ class H2OCache(Cache):
 
     def read_slots(self, layer_idx):
         """(token_ids, scores), each [batch, kv_heads, slots], copied from one reading of the
-        layer: safe while another thread feeds the cache (the app's panel does this), where
-        calling token_ids() then scores() could see two different slot counts."""
+        layer (None before it holds anything): safe while another thread feeds the cache (the
+        app's panel does this), where token_ids() then scores() could see two slot counts."""
         layer = self.layers[layer_idx]
         buf, n = layer.buf, layer.n_slots
         if not buf:
-            return None, None
-        scores = buf["scores"][:, :, :n].clone()
-        if self.config.score == "mean":
-            scores = scores / buf["queries"][:, :, :n].clamp(min=1)
-        return buf["token_ids"][:, :, :n].clone(), scores
+            return None
+        live = SimpleNamespace(**{field: buf[field][:, :, :n] for field in ("token_ids", "scores", "queries")})
+        return live.token_ids.clone(), self._score(live).clone()
 
     def positions(self, layer_idx):
         """[batch, kv_heads, slots]: the RoPE position each cached key is rotated to."""

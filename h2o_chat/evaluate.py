@@ -116,7 +116,7 @@ def cmd_ppl(args):
     full = next((r["ppl"] for r in rows if r["method"] == "full"), None)
     for r in rows:
         r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%" if full else ""
-    meta = {"command": "python -m h2o_chat.evaluate " + " ".join(args.argv), "text": args.text, "tokens": args.tokens,
+    meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
             "chunk": args.chunk, "threads": torch.get_num_threads(),
             "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
     write_results(args.out, "ppl", rows, ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "ppl",
@@ -163,7 +163,7 @@ def long_ppl(args, model, tokenizer):
     rows.append({"tokens": f"1-{within} (all within context)", **{m: cell(m, 0, within) for m in nlls}})
     if n > within:
         rows.append({"tokens": f"{within + 1}-{n} (all past context)", **{m: cell(m, within, n) for m in nlls}})
-    meta = {"command": "python -m h2o_chat.evaluate " + " ".join(args.argv), "text": args.text,
+    meta = {"command": args.command_line, "text": args.text,
             "tokens": args.long_tokens, "budget": args.long_budget, "n_sink": args.n_sink[0], "n_recent": recent,
             "positions": args.positions[0], "chunk": args.chunk, "max_position_embeddings": max_positions,
             "seconds": seconds, "threads": torch.get_num_threads(),
@@ -247,7 +247,7 @@ def cmd_summarize(args):
                      "rouge2": mean("rouge2"), "rougeL": mean("rougeL"), "rougeL_vs_full": mean("rougeL_vs_full"),
                      "new_tokens": mean("new_tokens"), "seconds": round(sum(r["seconds"] for r in rs), 1)})
         print(rows[-1], flush=True)
-    meta = {"command": "python -m h2o_chat.evaluate " + " ".join(args.argv), "file": str(args.file),
+    meta = {"command": args.command_line, "file": str(args.file),
             "requests": len(requests), "n_sink": args.n_sink, "seed": args.seed, "threads": torch.get_num_threads(),
             "prompt_tokens": {"mean": round(sum(prompt_tokens) / len(prompt_tokens), 1), "min": min(prompt_tokens),
                               "max": max(prompt_tokens)},
@@ -297,15 +297,12 @@ def kvpress_rows(args, model, context, continuation):
     worker = kvpress_worker.worker_for(args.kvpress_python, model)
     if worker is None:
         return [], None
-    python, folder = worker
     n = context.shape[1]
     arms = [(label, keep) for label in args.presses for keep in args.keep]
     tasks = [{"kind": "compress_nll", "press": KVPRESS_PRESSES.get(label, label), "kept": round(keep * n),
               "context_ids": context[0].tolist(), "continuation_ids": continuation[0].tolist()} for label, keep in arms]
-    job = {"model": folder, "dtype": str(model.dtype), "device": str(model.device),
-           "threads": torch.get_num_threads(), "tasks": tasks}
-    print(f"kvpress: {len(tasks)} runs in {python}", flush=True)
-    result = kvpress_worker.run_job(python, job)
+    print(f"kvpress: {len(tasks)} runs in {worker[0]}", flush=True)
+    result = kvpress_worker.run_tasks(worker, model, tasks)
     rows = []
     for (label, keep), task, r in zip(arms, tasks, result["results"]):
         if not r["kept_min"] == r["kept_max"] == task["kept"]:  # the comparison is at equal memory or not at all
@@ -341,7 +338,7 @@ def cmd_compress(args):
     full = rows[0]["ppl"]
     for r in rows:
         r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%"
-    meta = {"command": "python -m h2o_chat.evaluate " + " ".join(args.argv), "context": n, "continuation": m,
+    meta = {"command": args.command_line, "context": n, "continuation": m,
             "n_sink": args.n_sink, "chunk": args.chunk, "positions": "absolute", "kvpress": versions,
             "note": "kept = slots per layer and KV head; ppl of the continuation over the compressed cache"}
     write_results(args.out, "compress", rows, ["method", "keep", "kept", "ppl", "vs_full", "kv_MiB", "seconds"], meta)
@@ -403,7 +400,7 @@ def main(argv=None):
     p.set_defaults(run=cmd_compress)
     args = parser.parse_args(argv)
     apply_quick(args, argv)
-    args.argv = argv
+    args.command_line = "python -m h2o_chat.evaluate " + " ".join(argv)
     args.run(args)
 
 

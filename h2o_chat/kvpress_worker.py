@@ -7,7 +7,7 @@ level so that both environments can load it:
   - the worker (`main`, run as a script by the kvpress venv's python: `[python, __file__]`) reads
     one JSON job on stdin, loads the model once, runs the job's tasks and writes one JSON object
     on stdout. torch, transformers and kvpress are imported inside its functions.
-  - the client (`find_python`, `run_job`), imported from our environment, resolves which python
+  - the client (`worker_for`, `run_tasks`), imported from our environment, resolves which python
     to use and spawns the worker.
 
 Both sides see identical inputs: the caller renders and tokenizes with our tokenizer and passes
@@ -100,6 +100,16 @@ def run_job(python, job, timeout=3600):
     if proc.returncode != 0:
         raise RuntimeError(f"kvpress worker ({python}) failed with exit code {proc.returncode}; see its stderr above")
     return json.loads(proc.stdout)
+
+
+def run_tasks(worker, model, tasks):
+    """Run `tasks` in the kvpress venv on the weights `model` was loaded from, with its dtype and
+    device and our thread count; `worker` is what worker_for returned. Returns the result dict."""
+    import torch  # our environment's: this half never runs in the kvpress venv
+
+    python, folder = worker
+    return run_job(python, {"model": folder, "dtype": str(model.dtype), "device": str(model.device),
+                            "threads": torch.get_num_threads(), "tasks": tasks})
 
 
 def kept_to_ratio(kept, n_tokens):

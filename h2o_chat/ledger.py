@@ -44,13 +44,12 @@ class Ledger:
         # the panel may read while a reply is being fed from another thread: each layer is read
         # in one go (read_slots), and the cache can be ahead of the ledger, so tokens the ledger
         # has not recorded yet land in a spare column that is dropped
-        slots = {i: cache.read_slots(i) for i, layer in enumerate(cache.layers) if layer.buf}
-        layers = [i for i, (ids, _) in slots.items() if ids is not None]
-        n_layers, n_heads = len(cache.layers), (slots[layers[0]][0].shape[1] if layers else 1)
-        kept = torch.zeros(n_layers, n_heads, n + 1, dtype=torch.bool)
-        score = torch.zeros(n_layers, n_heads, n + 1)
-        for i in layers:
-            ids, scores = slots[i]
+        slots = {i: cache.read_slots(i) for i in range(len(cache.layers))}
+        slots = {i: read for i, read in slots.items() if read is not None}  # a layer not fed yet holds nothing
+        n_heads = next((ids.shape[1] for ids, _ in slots.values()), 1)
+        kept = torch.zeros(len(cache.layers), n_heads, n + 1, dtype=torch.bool)
+        score = torch.zeros(len(cache.layers), n_heads, n + 1)
+        for i, (ids, scores) in slots.items():
             ids = ids[0].cpu().clamp(max=n)
             kept[i].scatter_(1, ids, True)
             score[i].scatter_(1, ids, scores[0].float().cpu())
@@ -61,7 +60,8 @@ class Ledger:
         n_recent = lim.n_recent if lim and lim.budget is not None else 0
         # "heavy" means kept for its score while others were evicted: before the first eviction,
         # or under a policy that does not score, a token outside the recent window is just "kept"
-        evicting = bool(layers) and cache.layers[layers[0]].n_seen > cache.layers[layers[0]].n_slots
+        first = cache.layers[min(slots)] if slots else None
+        evicting = first is not None and first.n_seen > first.n_slots
         heavy = "heavy" if cache.config.policy == "h2o" and evicting else "kept"
         pinned = set().union(*(range(s, e) for s, e in cache.pins))
         status = []

@@ -371,13 +371,13 @@ def _write_converted(gguf_path: Path, out: Path) -> None:
     start = time.perf_counter()
     _say(f"converting the embedded {EMBEDDED_NAME} (first run only, about a minute) into {out.parent}")
     _say("[1/4] reading the GGUF config")
-    config = _load_config(source, EMBEDDED_NAME, {"trust_remote_code": False})
+    no_remote_code = {"trust_remote_code": False}
+    config = _load_config(source, EMBEDDED_NAME, no_remote_code)
     check_supported(config, EMBEDDED_NAME)
     _say("[2/4] unpacking the weights")
-    model = _load_weights(source, EMBEDDED_NAME, config, torch.float32, None, torch.device("cpu"), None,
-                          {"trust_remote_code": False})
+    model = _load_weights(source, EMBEDDED_NAME, config, torch.float32, None, torch.device("cpu"), None, no_remote_code)
     _say("[3/4] rebuilding the tokenizer")
-    tokenizer = _load_tokenizer(source, EMBEDDED_NAME, {"trust_remote_code": False})
+    tokenizer = _load_tokenizer(source, EMBEDDED_NAME, no_remote_code)
     if tokenizer.chat_template is None:
         _say("warning: the GGUF carried no chat template")
     _say("[4/4] saving")

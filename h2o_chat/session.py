@@ -14,7 +14,7 @@ import threading
 import time
 import unicodedata
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -169,7 +169,7 @@ class ChatSession:
     # --- conversation ------------------------------------------------------------------------
     def send(self, text):
         """Add a user message and stream the reply as text pieces."""
-        text = self._check_message(text)
+        text = check_text(text)
         # keep "before the last reply" (a reply that re-tokenizes differently rewinds there)
         # and take "before this exchange" (what undo returns to)
         self._snapshots = self._snapshots[-1:] + [self._snapshot()]
@@ -215,7 +215,7 @@ class ChatSession:
     def edit(self, turn, text):
         """Replace the text of message `turn`; the cache replays from the first changed token."""
         self._check_turn(turn)
-        self.messages[turn]["content"] = self._check_message(text)  # checked before anything changes
+        self.messages[turn]["content"] = check_text(text)  # checked before anything changes
         self._sync(self._render(open_reply=True))
         self.autosave()
 
@@ -551,9 +551,6 @@ class ChatSession:
         return ids
 
     # --- internals: checks -------------------------------------------------------------------
-    def _check_message(self, text):
-        return check_text(text)
-
     def _check_system_prompt(self, text):
         """None or text; a blank one means no system prompt."""
         if text is None:

@@ -251,7 +251,7 @@ def test_killed_conversion_temp_folder_is_ignored_then_cleaned(monkeypatch, tmp_
     finished.wait()
     models_dir = tmp_path / "models"
     dead = models_dir / f".SmolLM2-135M-Instruct.tmp-{finished.pid}-abc"
-    alive = models_dir / f".SmolLM2-135M-Instruct.tmp-1-def"  # pid 1 is always alive
+    alive = models_dir / ".SmolLM2-135M-Instruct.tmp-1-def"  # pid 1 is always alive
     for folder in (dead, alive):
         folder.mkdir(parents=True)
         shutil.copy(tiny_model_dir / "config.json", folder)

@@ -12,7 +12,6 @@ from transformers import DynamicCache
 
 from h2o_chat import ChatSession, store
 from h2o_chat.ledger import Ledger
-from tests.conftest import make_tiny_chat
 
 USER_TURNS = ["Hello there!", "Tell me a story about a lighthouse.", "Make it shorter.", "Who is the hero?", "Thanks."]
 NO_EVICTION = dict(policy="h2o", budget=4096, n_sink=4, n_recent=64)
