@@ -2,6 +2,7 @@
 enough for the slow reference. Each test gets a fresh model: H2OCache switches a model's
 attention implementation, and comparisons against DynamicCache want an untouched one."""
 
+import json
 import time
 
 import pytest
@@ -110,3 +111,23 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def play_text(tmp_path_factory):
+    """A short play as a text file (4,800 characters): the tiny model's byte-level tokenizer reads
+    each character as a token; numbered lines keep the text from repeating exactly."""
+    path = tmp_path_factory.mktemp("text") / "play.txt"
+    path.write_text("".join(f"ROMEO {i}: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n"
+                            for i in range(60)))
+    return path
+
+
+def read_results(out, name, plot=True):
+    """What a bench/evaluate command wrote as `name`: the JSON (returned: rows and meta), a
+    Markdown table naming the command, and (plot) a PNG."""
+    data = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.md").read_text().startswith("Command: `python -m h2o_chat.")
+    if plot:
+        assert (out / f"{name}.png").stat().st_size > 0
+    return data

@@ -6,26 +6,14 @@ import json
 import pytest
 
 from h2o_chat import bench, evaluate
+from tests.conftest import read_results
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "play.txt"
-    path.write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 40)
-    return path
-
-
-def read(out, name):
-    data = json.loads((out / f"{name}.json").read_text())
-    assert (out / f"{name}.md").read_text().startswith("Command: `python -m h2o_chat.")
-    return data["rows"]
-
-
-def test_bench_decode(tiny_model_dir, text_file, tmp_path):
-    bench.main(["--model", str(tiny_model_dir), "--text", str(text_file), "--out", str(tmp_path),
+def test_bench_decode(tiny_model_dir, play_text, tmp_path):
+    bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
                 "decode", "--seen", "32,64", "--steps", "3", "--repeats", "2", "--budget", "16",
                 "--methods", "dynamic,full,h2o,h2o-noevict"])
-    rows = read(tmp_path, "decode")
+    rows = read_results(tmp_path, "decode", plot=False)["rows"]
     assert {(r["seen"], r["method"]) for r in rows} == {
         (s, m) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict")}
     by = {(r["seen"], r["method"]): r for r in rows}
@@ -38,7 +26,7 @@ def test_bench_batch_on_the_cpu(tmp_path):
     # the real run needs CUDA and Llama-2-7B's shape; the same code on a tiny shape on the CPU
     bench.main(["--out", str(tmp_path), "batch", "--device", "cpu", "--shape", "tiny", "--quick",
                 "--prompt", "64", "--new-tokens", "8", "--batch", "1", "--max-batch", "4"])
-    rows = read(tmp_path, "batch")
+    rows = read_results(tmp_path, "batch", plot=False)["rows"]
     assert [(r["method"], r["batch"]) for r in rows] == [(m, b) for m in ("full", "h2o") for b in (1, 2, 4)]
     assert all(r["latency_s"] > 0 for r in rows)
     h2o = [r for r in rows if r["method"] == "h2o"]
@@ -52,18 +40,18 @@ def test_bench_batch_without_cuda_says_so(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "batch.json").read_text())["meta"]["skipped"] == "no CUDA GPU"
 
 
-def test_bench_prefill(tiny_model_dir, text_file, tmp_path):
-    bench.main(["--model", str(tiny_model_dir), "--text", str(text_file), "--out", str(tmp_path),
+def test_bench_prefill(tiny_model_dir, play_text, tmp_path):
+    bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
                 "prefill", "--tokens", "200", "--budget", "16"])
-    rows = read(tmp_path, "prefill")
+    rows = read_results(tmp_path, "prefill", plot=False)["rows"]
     assert [r["method"] for r in rows] == ["dynamic", "h2o"]
     assert all(r["peak_MiB"] >= 0 and r["seconds"] > 0 for r in rows)
 
 
-def test_evaluate_ppl(tiny_model_dir, text_file, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(text_file),
+def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
                    "--tokens", "120", "--budget", "24", "--chunk", "8", "--long-tokens", "0"])
-    rows = read(tmp_path, "ppl")
+    rows = read_results(tmp_path, "ppl", plot=False)["rows"]
     assert [r["method"] for r in rows] == evaluate.PPL_METHODS
     assert all(r["ppl"] > 1 for r in rows)
     assert rows[0]["vs_full"] == "+0.0%"
@@ -75,17 +63,17 @@ def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
     bench.main(["--out", str(tmp_path), "dialogue", "--turns-file", str(turns), "--turns", "4",
                 "--new-tokens", "5", "--budget", "32", "--naive-every", "2"])
-    rows = read(tmp_path, "dialogue")
+    rows = read_results(tmp_path, "dialogue", plot=False)["rows"]
     assert [r["turn"] for r in rows if r["method"] == "h2o"] == [1, 2, 3, 4]
     assert [r["turn"] for r in rows if r["method"] == "naive"] == [1, 2, 4]
     assert [r["turn"] for r in rows if r["method"] == "full"] == [1, 2, 3, 4]
 
 
-def test_bench_panel(tiny_chat, text_file, tmp_path, monkeypatch):
+def test_bench_panel(tiny_chat, play_text, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
-    bench.main(["--text", str(text_file), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
+    bench.main(["--text", str(play_text), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
                 "--budget", "32"])
-    rows = read(tmp_path, "panel")
+    rows = read_results(tmp_path, "panel", plot=False)["rows"]
     assert [r["measure"] for r in rows][:4] == ["decode without panel", "decode with panel"] * 2
     assert rows[-1]["measure"].startswith("render panel of ") and rows[-1]["value"] >= 0
 

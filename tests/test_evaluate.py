@@ -8,22 +8,7 @@ import torch
 
 from h2o_chat import evaluate
 from h2o_chat.bench import make_cache
-from tests.conftest import make_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def long_text(tmp_path_factory):
-    # the tiny model's tokenizer is byte-level: 1 character = 1 token, and 512 positions
-    path = tmp_path_factory.mktemp("text") / "play.txt"
-    path.write_text("ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 60)
-    return path
-
-
-def read(out, name):
-    data = json.loads((out / f"{name}.json").read_text())
-    assert (out / f"{name}.md").read_text().startswith("Command: `python -m h2o_chat.evaluate")
-    assert (out / f"{name}.png").stat().st_size > 0
-    return data
+from tests.conftest import make_tiny_llama, read_results
 
 
 def test_numbers():
@@ -47,11 +32,11 @@ def test_feeding_many_tokens_per_call_changes_nothing(method, positions):
     torch.testing.assert_close(nlls(64), nlls(8), rtol=1e-10, atol=1e-10)
 
 
-def test_ppl_budgets_and_the_long_part(tiny_model_dir, long_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(long_text),
+def test_ppl_budgets_and_the_long_part(tiny_model_dir, play_text, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
                    "--tokens", "128", "--budgets", "0.25,0.5", "--chunk", "8", "--long-tokens", "700",
                    "--long-budget", "32", "--segment", "200"])
-    rows = read(tmp_path, "ppl")["rows"]
+    rows = read_results(tmp_path, "ppl")["rows"]
     # full once, every other method at each budget (25% and 50% of 128 tokens)
     assert [(r["method"], r["budget"]) for r in rows] == [("full", "all")] + [
         (m, b) for m in evaluate.PPL_METHODS[1:] for b in (32, 64)]
@@ -60,7 +45,7 @@ def test_ppl_budgets_and_the_long_part(tiny_model_dir, long_text, tmp_path):
     assert by[("window", 32)]["n_sink"] == 0 and by[("sink", 32)]["n_sink"] == 4
     assert by[("h2o-sum", 64)]["n_recent"] == 30  # half of what the 4 sinks leave
 
-    long = read(tmp_path, "ppl-long")
+    long = read_results(tmp_path, "ppl-long")
     assert long["meta"]["max_position_embeddings"] == 512
     segments = long["rows"][:4]
     assert [r["tokens"] for r in segments] == ["1-200", "201-400", "401-600", "601-699"]
@@ -71,12 +56,12 @@ def test_ppl_budgets_and_the_long_part(tiny_model_dir, long_text, tmp_path):
     assert long["rows"][-1]["full"] == "n/a"
 
 
-def test_ppl_sweeps_sinks_recent_split_and_positions(tiny_model_dir, long_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(long_text),
+def test_ppl_sweeps_sinks_recent_split_and_positions(tiny_model_dir, play_text, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
                    "--tokens", "96", "--budgets", "40", "--chunk", "8", "--methods", "full,window,sink,h2o-sum",
                    "--n-sink", "0,4", "--n-recent", "0.25,0.75", "--positions", "rolling,absolute",
                    "--long-tokens", "0"])
-    rows = read(tmp_path, "ppl")["rows"]
+    rows = read_results(tmp_path, "ppl")["rows"]
     labels = [r["label"] for r in rows]
     # window has no knobs but positions; sink has no recent split; each distinct cache runs once
     assert labels[:3] == ["full", "window rolling", "window absolute"]
@@ -88,12 +73,12 @@ def test_ppl_sweeps_sinks_recent_split_and_positions(tiny_model_dir, long_text, 
     assert not (tmp_path / "ppl-long.json").exists()
 
 
-def test_ppl_quick(tiny_model_dir, long_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(long_text), "--quick",
+def test_ppl_quick(tiny_model_dir, play_text, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text), "--quick",
                    "--methods", "full,sink,h2o-sum", "--long-methods", "full,h2o-sum"])
-    data = read(tmp_path, "ppl")
+    data = read_results(tmp_path, "ppl")
     assert data["meta"]["tokens"] == 384 and {r["budget"] for r in data["rows"]} == {"all", 38, 77, 192}
-    long = read(tmp_path, "ppl-long")
+    long = read_results(tmp_path, "ppl-long")
     assert long["meta"]["tokens"] == 768 and long["meta"]["budget"] == 64
 
 
@@ -122,7 +107,7 @@ def test_summarize(tiny_model_dir, requests_file, tmp_path):
     out = tmp_path / "out"
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(out), "summarize", "--file", str(requests_file),
                    "--fractions", "0.2,0.5"])
-    data = read(out, "summarize")
+    data = read_results(out, "summarize")
     rows = data["rows"]
     assert [(r["method"], r["fraction"]) for r in rows] == [("full", 1.0)] + [
         (m, f) for m in ("h2o", "window", "sink") for f in (0.2, 0.5)]
@@ -143,4 +128,4 @@ def test_summarize_quick_and_seeded(tiny_model_dir, requests_file, tmp_path):
                        "--quick", "--methods", "full,h2o", "--fractions", "0.5"])
     a, b = ((out / "summarize-generations.jsonl").read_text() for out in (tmp_path / "a", tmp_path / "b"))
     assert a == b
-    assert all(r["new_tokens"] <= 12 for r in read(tmp_path / "a", "summarize")["rows"])
+    assert all(r["new_tokens"] <= 12 for r in read_results(tmp_path / "a", "summarize")["rows"])

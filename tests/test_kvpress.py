@@ -2,7 +2,6 @@
 the bridge to kvpress's own venv. Tests that need that venv run only when $H2O_KVPRESS_PYTHON
 names its python (see h2o_chat/kvpress_worker.py for how to make it); the rest run anywhere."""
 
-import json
 import math
 import sys
 
@@ -11,17 +10,11 @@ import torch
 
 from h2o_chat import bench, evaluate, kvpress_worker
 from h2o_chat.model import load_model
+from tests.conftest import read_results
 
 KVPRESS_PYTHON = kvpress_worker.find_python()
 needs_kvpress = pytest.mark.skipif(KVPRESS_PYTHON is None,
                                    reason=f"no kvpress venv: set {kvpress_worker.ENV_VAR} to its python")
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "play.txt"
-    path.write_text("".join(f"ROMEO {i}: But soft, what light through yonder window breaks?\n" for i in range(40)))
-    return path
 
 
 @pytest.fixture
@@ -29,16 +22,9 @@ def no_kvpress(monkeypatch):
     monkeypatch.delenv(kvpress_worker.ENV_VAR, raising=False)
 
 
-def read(out, name):
-    data = json.loads((out / f"{name}.json").read_text())
-    assert (out / f"{name}.md").read_text().startswith("Command: `python -m h2o_chat.")
-    assert (out / f"{name}.png").stat().st_size > 0
-    return data["rows"], data["meta"]
-
-
-def tokens_and_model(tiny_model_dir, text_file, n):
+def tokens_and_model(tiny_model_dir, play_text, n):
     model, tokenizer = load_model(str(tiny_model_dir))
-    return model, bench.text_tokens(tokenizer, text_file, n)
+    return model, bench.text_tokens(tokenizer, play_text, n)
 
 
 # --- runs anywhere ------------------------------------------------------------------------------
@@ -59,9 +45,9 @@ def test_find_python(monkeypatch, tmp_path):
     assert kvpress_worker.find_python() == sys.executable
 
 
-def test_compressed_nll_without_eviction_is_the_plain_nll(tiny_model_dir, text_file):
+def test_compressed_nll_without_eviction_is_the_plain_nll(tiny_model_dir, play_text):
     # the frozen copy at explicit positions must reproduce one plain forward over everything
-    model, tokens = tokens_and_model(tiny_model_dir, text_file, 161)
+    model, tokens = tokens_and_model(tiny_model_dir, play_text, 161)
     context, continuation = tokens[:, :120], tokens[:, 120:]
     with torch.no_grad():
         logits = model(tokens[:, :-1]).logits[0, 120:].float()
@@ -75,10 +61,11 @@ def test_compressed_nll_without_eviction_is_the_plain_nll(tiny_model_dir, text_f
     assert slots == 24 and math.isfinite(nll) and nll != pytest.approx(plain, abs=1e-5)
 
 
-def test_evaluate_compress_quick(tiny_model_dir, text_file, tmp_path, capsys, no_kvpress):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "compress", "--quick", "--text", str(text_file)])
+def test_evaluate_compress_quick(tiny_model_dir, play_text, tmp_path, capsys, no_kvpress):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "compress", "--quick", "--text", str(play_text)])
     assert "skipping the kvpress arms" in capsys.readouterr().out
-    rows, meta = read(tmp_path, "compress")
+    data = read_results(tmp_path, "compress")
+    rows, meta = data["rows"], data["meta"]
     assert [r["method"] for r in rows] == ["full"] + evaluate.COMPRESS_METHODS
     assert meta["context"] == 384 and meta["continuation"] == 64
     assert rows[0]["kept"] == 384 and all(r["kept"] == round(0.2 * 384) for r in rows[1:])
@@ -93,7 +80,8 @@ def test_bench_dialogue_quick(tiny_chat, tmp_path, monkeypatch, capsys, no_kvpre
     monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
     bench.main(["--out", str(tmp_path), "dialogue", "--quick", "--turns-file", str(turns), "--budget", "32"])
     assert "skipping the kvpress arm" in capsys.readouterr().out
-    rows, meta = read(tmp_path, "dialogue")
+    data = read_results(tmp_path, "dialogue")
+    rows, meta = data["rows"], data["meta"]
     assert meta["new_tokens"] == 16
     assert [r["turn"] for r in rows if r["method"] == "h2o"] == [1, 2, 3, 4, 5, 6]
     assert [r["turn"] for r in rows if r["method"] == "naive"] == [1, 2, 4, 6]
@@ -110,11 +98,11 @@ def test_kvpress_arm_skips_models_not_loaded_from_a_folder(tiny_chat, capsys, mo
 
 
 @needs_kvpress
-def test_worker_sees_the_same_inputs(tiny_model_dir, text_file):
+def test_worker_sees_the_same_inputs(tiny_model_dir, play_text):
     """Uncompressed, the worker's NLL is ours; compressed in one shot by the same rule (4 sinks
     + the newest tokens), StreamingLLMPress keeps the same tokens as our sink cache, so the NLLs
     agree too. Both would break if the bridge fed different tokens, positions or masks."""
-    model, tokens = tokens_and_model(tiny_model_dir, text_file, 241)
+    model, tokens = tokens_and_model(tiny_model_dir, play_text, 241)
     context, continuation = tokens[:, :200], tokens[:, 200:]
     ours_full, _, _ = evaluate.compressed_nll(model, context, continuation,
                                               bench.make_cache(model, "full", budget=200, positions="absolute"))
@@ -135,10 +123,11 @@ def test_worker_sees_the_same_inputs(tiny_model_dir, text_file):
 
 
 @needs_kvpress
-def test_evaluate_compress_with_kvpress(tiny_model_dir, text_file, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "compress", "--quick", "--text", str(text_file),
+def test_evaluate_compress_with_kvpress(tiny_model_dir, play_text, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "compress", "--quick", "--text", str(play_text),
                    "--methods", "h2o-sum", "--kvpress-python", KVPRESS_PYTHON])
-    rows, meta = read(tmp_path, "compress")
+    data = read_results(tmp_path, "compress")
+    rows, meta = data["rows"], data["meta"]
     assert [r["method"] for r in rows] == ["full", "h2o-sum", *evaluate.KVPRESS_PRESSES]
     assert all(r["kept"] == 77 and r["kv_MiB"] == rows[1]["kv_MiB"] for r in rows[1:])
     assert meta["kvpress"]["kvpress"] == kvpress_worker.KVPRESS_VERSION
@@ -154,7 +143,8 @@ def test_bench_dialogue_with_kvpress(tiny_chat, tmp_path):
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?", "Thanks"]}\n')
     bench.main(["--model", str(folder), "--out", str(tmp_path), "dialogue", "--quick", "--turns-file", str(turns),
                 "--turns", "4", "--budget", "32", "--methods", "h2o,kvpress", "--kvpress-python", KVPRESS_PYTHON])
-    rows, _ = read(tmp_path, "dialogue")
+    data = read_results(tmp_path, "dialogue")
+    rows = data["rows"]
     kv = [r for r in rows if r["method"] == "kvpress"]
     assert [r["turn"] for r in kv] == [1, 2, 4]
     assert all(r["ttft_s"] > 0 for r in kv)
