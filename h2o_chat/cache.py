@@ -204,6 +204,16 @@ class H2OCache(Cache):
         """Bytes of keys and values held now (live slots only)."""
         return sum(2 * layer.keys.nelement() * layer.keys.element_size() for layer in self.layers if layer.buf)
 
+    def full_kv_bytes(self):
+        """Bytes a cache that never evicts would hold for the tokens seen so far."""
+        per_token = sum(2 * layer.keys[0, :, :1].nelement() * layer.keys.element_size()
+                        for layer in self.layers if layer.buf)
+        return per_token * self.get_seq_length()
+
+    def slots_used(self, layer_idx=0):
+        """Slots per batch row and KV head that layer `layer_idx` holds now (<= budget)."""
+        return self.layers[layer_idx].n_slots
+
     def snapshot(self):
         """A copy of the whole cache state (bounded by the budget, so cheap), for `restore`."""
         layers = [(layer.n_seen, layer.n_slots, {f: b.clone() for f, b in layer.buf.items()}) for layer in self.layers]
@@ -240,6 +250,19 @@ class H2OCache(Cache):
                     f"cannot pin {end - start} more tokens: {pinned} pinned + {lim.n_sink} sinks + "
                     f"{lim.n_recent} recent would exceed the budget of {lim.budget} slots")
         self.pins = pins
+
+    def set_pins(self, ranges):
+        """Replace every pin with these absolute [start, end) ranges, checked as `protect` checks
+        them; a refused set leaves the old pins. Ranges may lie ahead of what has been fed: a
+        token is protected from the moment it is written."""
+        old = self.pins
+        self.pins = []
+        try:
+            for start, end in ranges:
+                self.protect(start, end)
+        except ValueError:
+            self.pins = old
+            raise
 
     def unprotect(self, start, end):
         if (start, end) not in self.pins:

@@ -282,7 +282,7 @@ def compressed_nll(model, context, continuation, cache):
     positions n, n + 1, ... over the kept slots, with no further eviction.
     Returns (nll, slots kept per layer and head, KV bytes kept)."""
     model(context, cache=cache, logits_to_keep=1)
-    slots, kv = cache.layers[0].n_slots, kv_bytes(cache)
+    slots, kv = cache.slots_used(), kv_bytes(cache)
     n, m = context.shape[1], continuation.shape[1] - 1
     # explicit positions: the frozen cache holds fewer than n tokens, so transformers would count
     # from its length. cache_position does count from there, which makes the mask bottom-right

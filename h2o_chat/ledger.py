@@ -60,8 +60,7 @@ class Ledger:
         n_recent = lim.n_recent if lim and lim.budget is not None else 0
         # "heavy" means kept for its score while others were evicted: before the first eviction,
         # or under a policy that does not score, a token outside the recent window is just "kept"
-        first = cache.layers[min(slots)] if slots else None
-        evicting = first is not None and first.n_seen > first.n_slots
+        evicting = bool(slots) and cache.get_seq_length() > cache.slots_used(min(slots))
         heavy = "heavy" if cache.config.policy == "h2o" and evicting else "kept"
         pinned = set().union(*(range(s, e) for s, e in cache.pins))
         status = []

@@ -159,11 +159,10 @@ class ChatSession:
 
     @property
     def stats(self):
-        layer = self.cache.layers[0]
-        per_token = sum(2 * l.keys[0, :, :1].nelement() * l.keys.element_size() for l in self.cache.layers if l.buf)
         t = self.last_turn
-        return {"tokens_seen": layer.n_seen, "tokens_processed": self.tokens_processed, "slots_used": layer.n_slots,
-                "kv_bytes": self.cache.kv_bytes(), "full_kv_bytes": per_token * layer.n_seen,
+        return {"tokens_seen": self.cache.get_seq_length(), "tokens_processed": self.tokens_processed,
+                "slots_used": self.cache.slots_used(), "kv_bytes": self.cache.kv_bytes(),
+                "full_kv_bytes": self.cache.full_kv_bytes(),
                 "ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
 
     # --- conversation ------------------------------------------------------------------------
@@ -433,12 +432,8 @@ class ChatSession:
                 self.on_progress(len(self._fed), progress_total)
 
     def _reapply_pins(self):
-        self.cache.pins = []
-        for turn, m in enumerate(self.messages):
-            if m["pinned"]:
-                start, end = self._turn_range(turn, must_exist=False)
-                if end > start:
-                    self.cache.protect(start, end)
+        ranges = [self._turn_range(turn, must_exist=False) for turn, m in enumerate(self.messages) if m["pinned"]]
+        self.cache.set_pins([(start, end) for start, end in ranges if end > start])
 
     def _turn_range(self, turn, must_exist=True):
         turns = self._ledger.turns
