@@ -24,10 +24,12 @@ class Ledger:
         return len(self.vocab_ids)
 
     def append(self, vocab_ids, pieces, role, turn):
-        self.vocab_ids += vocab_ids
+        # vocab_ids last: len() counts only tokens whose every field is written, so a panel
+        # reading from another thread mid-append never indexes a half-recorded token
         self.pieces += pieces
         self.roles += [role] * len(vocab_ids)
         self.turns += [turn] * len(vocab_ids)
+        self.vocab_ids += vocab_ids
 
     def truncate(self, n):
         for name in ("vocab_ids", "pieces", "roles", "turns"):

@@ -46,7 +46,9 @@ def token_map(ledger, retention, layer=None, head=None):
     kept_by = retention["kept"].sum(dim=(0, 1)).tolist()
     score = retention["score"].sum(dim=(0, 1)) / retention["kept"].sum(dim=(0, 1)).clamp(min=1)
     score = score.tolist()
-    parts, i, n = [], 0, len(ledger)
+    # the tokens the retention was read for: the ledger may have grown since (a reply streaming
+    # in another thread while a tab re-renders its panel)
+    parts, i, n = [], 0, len(statuses)
     while i < n:
         if statuses[i][0] == "evicted":
             j = i

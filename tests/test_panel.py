@@ -70,3 +70,14 @@ def test_memory_rows_and_stats(session):
     text = panel.stats_markdown(session.stats, session.ledger.retention(session.cache))
     assert f"{session.stats['tokens_seen']:,}** tokens seen" in text and "saved" in text
     assert "heavy hitters" in panel.legend_html()
+
+
+def test_the_map_shows_the_tokens_its_retention_was_read_for(session):
+    # a tab re-renders its panel while a reply streams in another thread: the ledger grows
+    # between reading the cache and drawing the map, and the map draws what was read
+    ret = session.ledger.retention(session.cache)
+    n = len(session.ledger)
+    session.ledger.append([1, 2, 3], ["a", "b", "c"], "assistant", 99)
+    page = panel.token_map(session.ledger, ret)
+    shown = shown_indices(page)
+    assert len(shown) + folded_count(page) == n and max(shown) < n
