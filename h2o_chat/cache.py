@@ -144,7 +144,9 @@ class H2OLayer(CacheLayerMixin):
         last = self.n_slots - 1
         for field, buf in self.buf.items():
             index = victim[..., None] if buf.ndim == 3 else victim[..., None, None].expand(-1, -1, 1, buf.shape[-1])
-            buf.scatter_(2, index, buf[:, :, last : last + 1])
+            # a copy: with one KV head and one row the last slot is a dense view of the buffer,
+            # and scatter_ refuses a source that shares memory with its destination
+            buf.scatter_(2, index, buf[:, :, last : last + 1].clone())
         self.n_slots = last
 
 
