@@ -60,7 +60,7 @@ def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
 def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?", "Thanks"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     bench.main(["--out", str(tmp_path), "dialogue", "--turns-file", str(turns), "--turns", "4",
                 "--new-tokens", "5", "--budget", "32", "--naive-every", "2"])
     rows = read_results(tmp_path, "dialogue", plot=False)["rows"]
@@ -70,7 +70,7 @@ def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
 
 
 def test_bench_panel(tiny_chat, play_text, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     bench.main(["--text", str(play_text), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
                 "--budget", "32"])
     rows = read_results(tmp_path, "panel", plot=False)["rows"]
@@ -81,7 +81,7 @@ def test_bench_panel(tiny_chat, play_text, tmp_path, monkeypatch):
 def test_bench_soak(tiny_chat, tmp_path, monkeypatch):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     bench.main(["--out", str(tmp_path), "soak", "--quick", "--turns-file", str(turns), "--budget", "32"])
     data = json.loads((tmp_path / "soak-rolling.json").read_text())
     # --quick: 8 turns; the file has 3, so it starts over
@@ -93,7 +93,7 @@ def test_bench_soak(tiny_chat, tmp_path, monkeypatch):
 def test_bench_soak_reports_a_failed_turn(tiny_chat, tmp_path, monkeypatch):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more", "Boom", "Never sent"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     send = bench.ChatSession.send
 
     def failing_send(self, text, *args, **kwargs):
@@ -117,7 +117,7 @@ def test_bench_soak_reports_a_failed_turn(tiny_chat, tmp_path, monkeypatch):
 def test_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatch, argv):
     # a checkout without ../shared/data next to it gets a message, not a traceback
     missing = str(tmp_path / "nowhere.txt")
-    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     argv = [a.format(missing=missing) for a in argv]
     with pytest.raises(SystemExit, match="nowhere.txt: no such file.*--text"):
         bench.main(["--out", str(tmp_path), "--text", missing, *argv])
