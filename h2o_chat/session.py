@@ -180,6 +180,7 @@ class ChatSession:
     def _exchange(self, message, drop_reply):
         self._begin()
         try:
+            self.last_turn = TurnStats()  # from here: the time to the first token includes reading the message
             messages = self.messages
             dropped = messages.pop() if drop_reply else None
             if message is not None:
@@ -188,9 +189,10 @@ class ChatSession:
                 self.autosave()  # a crash from here on loses at most the reply
             try:
                 self._sync(add_generation_prompt=True)
-            except ValueError:  # the message could not even be read (out of memory): as if never sent
+            except ValueError as e:  # the message could not even be read (out of memory): as if never sent
                 if message is not None:
                     messages.pop()
+                    e.unsent = message.content  # for the UI to put back in the box
                 if dropped is not None:
                     messages.append(dropped)
                 raise
@@ -203,6 +205,7 @@ class ChatSession:
     def _continue(self):
         self._begin()
         try:
+            self.last_turn = TurnStats()
             self._sync(open_reply=True)
             self.timeline.mark()
             yield from self._stream(ban_stop_first=True)
@@ -212,7 +215,7 @@ class ChatSession:
     def _stream(self, ban_stop_first):
         message, turn, timeline = self.messages[-1], len(self.messages) - 1, self.timeline
         prefix, detok = message.content, Detokenizer(self.tokenizer, self.sampling.stop)
-        stats = self.last_turn = TurnStats()
+        stats = self.last_turn
         self._sampler.begin(timeline.fed, timeline.logits.numel())
         saved_at = time.perf_counter()
         try:
@@ -321,7 +324,10 @@ class ChatSession:
             self.conversation.settings, self.timeline = old, old_timeline
             raise
         if new.sampling != old.sampling:
-            self._sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
+            sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
+            if new.sampling.seed == old.sampling.seed:  # a seeded chat draws on from where it was
+                sampler.generator = self._sampler.generator
+            self._sampler = sampler
         self.autosave()
 
     def reset(self):
@@ -355,9 +361,8 @@ class ChatSession:
         try:
             store.write(self.data_dir, self.conversation)
         except store.StaleRevisionError as e:
-            fork = self.conversation.fork()
+            fork = self.conversation.become_fork()
             store.write(self.data_dir, fork)
-            self.conversation = fork
             self.notices.append(f"{e}. Your copy is saved as a new conversation, {fork.display_title!r} ({fork.id}).")
 
     def take_notices(self):
