@@ -160,7 +160,7 @@ class ChatSession:
         """Add a user message and stream the reply as text pieces."""
         message = Message("user", check_text(text))
         self._stop.clear()  # a Stop pressed from here on stops this reply, even before it starts
-        return self._exchange(message, drop_reply=False)
+        return self._exchange(message)
 
     def regenerate(self):
         """Drop the last reply and draw a new one from the same state. A last message that has
@@ -168,7 +168,7 @@ class ChatSession:
         if not self.messages:
             raise ValueError("there is no reply to regenerate")
         self._stop.clear()
-        return self._exchange(None, drop_reply=self.messages[-1].role == "assistant")
+        return self._exchange(None)
 
     def continue_reply(self):
         """Stream more of the last reply (it must be the assistant's)."""
@@ -177,12 +177,15 @@ class ChatSession:
         self._stop.clear()
         return self._continue()
 
-    def _exchange(self, message, drop_reply):
+    def _exchange(self, message):
+        """A new user message and its reply, or (message None) a new draw of the last reply."""
         self._begin()
         try:
             self.last_turn = TurnStats()  # from here: the time to the first token includes reading the message
             messages = self.messages
-            dropped = messages.pop() if drop_reply else None
+            if message is None and not messages:
+                raise ValueError("there is no reply to regenerate")
+            dropped = messages.pop() if message is None and messages[-1].role == "assistant" else None
             if message is not None:
                 self.timeline.mark()  # what undo returns to
                 messages.append(message)
