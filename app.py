@@ -37,7 +37,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     from h2o_chat import CacheConfig, ModelLoadError, load_model
-    from h2o_chat.ui import CSS, build
+    from h2o_chat.ui import CSS, HEAD, build
 
     cache = dict(policy=args.policy, budget=args.budget, n_recent=args.n_recent, n_sink=args.n_sink,
                  score=args.score, positions=args.positions)
@@ -62,7 +62,7 @@ def main(argv=None):
     demo.queue(default_concurrency_limit=args.concurrency)
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS,
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
                 show_error=True, ssr_mode=False)
 
 

@@ -1,0 +1,207 @@
+"""The chat column: the Chatbot with its own per-message actions (edit, retry, undo, copy and a
+Pin / Unpin flag), the message box (Enter sends, Shift+Enter makes a new line), Stop, Continue
+and New chat, and the callbacks that stream a reply into the tab.
+
+Sending is two steps: `take_message` checks the text and clears the box at once (text typed
+while the reply streams is never touched again), then `reply` streams. A refused message stays
+in the box with a warning.
+"""
+
+import time
+from dataclasses import dataclass
+
+import gradio as gr
+
+from .session import check_text
+from .ui_state import PANEL_EVERY_S, chat_view, warn
+
+PIN, UNPIN = "Pin (never evict)", "Unpin"
+
+
+@dataclass
+class Chat:
+    chatbot: gr.Chatbot
+    text: gr.Textbox
+    send_btn: gr.Button
+    stop_btn: gr.Button
+    cont_btn: gr.Button
+    new_btn: gr.Button
+
+
+def build():
+    chatbot = gr.Chatbot(label="h2o-chat", height=520, buttons=["copy"], editable="all", elem_id="chat",
+                         feedback_options=(PIN, UNPIN), like_user_message=True, autoscroll=True)
+    text = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter makes a new line)", show_label=False,
+                      lines=1, max_lines=10, elem_id="message", autofocus=True)
+    with gr.Row():
+        send_btn = gr.Button("Send", variant="primary", elem_id="send", min_width=80)
+        stop_btn = gr.Button("Stop", elem_id="stop", min_width=80)
+        cont_btn = gr.Button("Continue", elem_id="continue", min_width=80)
+        new_btn = gr.Button("New chat", elem_id="new-chat", min_width=80)
+    return Chat(chatbot, text, send_btn, stop_btn, cont_btn, new_btn)
+
+
+def take_message(text):
+    """Step 1 of a send: (what stays in the box, the message to send or None)."""
+    try:
+        check_text(text)
+    except ValueError as e:
+        warn(e)
+        return text, None
+    return "", text
+
+
+def message_text(value):
+    """The text of an edited message as the Chatbot sends it (a string or typed parts)."""
+    if isinstance(value, dict):
+        value = value.get("content", value.get("text"))
+    if isinstance(value, list):
+        value = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in value)
+    return value
+
+
+def pin_wanted(liked):
+    """The Chatbot's feedback value -> pin (True) or unpin (False)."""
+    return liked in (True, PIN)
+
+
+def stream_into(tab, session, state, stream, saved):
+    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at every piece, the
+    panel at most every PANEL_EVERY_S with this reply's live TTFT and speed."""
+    started, first_at, n_first = time.perf_counter(), None, 0
+    shown = time.perf_counter()
+    yield tab.streamed(session, state, live=(None, None), saved=False)  # "waiting for the first token"
+    try:
+        for _ in stream:
+            now = time.perf_counter()
+            if first_at is None:
+                first_at, n_first = now, len(session.ledger)
+            if now - shown >= PANEL_EVERY_S:
+                shown = now
+                speed = (len(session.ledger) - n_first) / (now - first_at) if now > first_at else None
+                yield tab.streamed(session, state, live=(first_at - started, speed), saved=False)
+            else:
+                yield tab.streamed(session, state, panel=False, saved=False)
+    except ValueError as e:  # GenerationError (out of memory): what streamed stays in the chat
+        warn(e)
+    yield tab.streamed(session, state, saved=saved)
+
+
+# --- callbacks (app: ui_state.App, tab: ui.Tab) --------------------------------------------------
+def ensure_session(app, tab, session, conversation_id, state, progress=None):
+    """The tab's session; a tab whose server restarted has none: reopen the conversation the
+    browser remembers (a replay), or start a new one."""
+    if session is not None:
+        return session
+    if app.is_saved(conversation_id):
+        session = app.open(conversation_id, progress)
+        tab.replayed(session, state)
+        return session
+    return app.new_session()
+
+
+def reply(app, tab, message, session, conversation_id, state, progress=None):
+    """Step 2 of a send: stream the reply to `message` (None: step 1 refused it)."""
+    if message is None:
+        yield tab.streamed(session, state, panel=False, saved=False)
+        return
+    try:
+        session = ensure_session(app, tab, session, conversation_id, state, progress)
+        stream = session.send(message)
+    except ValueError as e:
+        warn(e)
+        yield tab.streamed(session, state)
+        return
+    yield from stream_into(tab, session, state, stream, saved=True)
+
+
+def send_whole(app, tab, text, session, state):
+    """Both steps in one call, for scripts (the /send route): (box, *tab outputs)."""
+    box, message = take_message(text)
+    for out in reply(app, tab, message, session, None, state):
+        yield (box, *out)
+
+
+def act(tab, session, state, action, replays=False):
+    """Run a non-streaming action on the session; a ValueError is a warning that changes nothing."""
+    if session is None or (not session.messages):
+        warn("Nothing to do yet: send a message first.")
+        return tab.streamed(session, state, saved=False)
+    try:
+        action(session)
+    except ValueError as e:
+        warn(e)
+        return tab.streamed(session, state, saved=False)
+    if replays:
+        tab.replayed(session, state)
+    return tab.streamed(session, state)
+
+
+def run_stream(tab, session, state, start):
+    """Stream what `start(session)` returns (regenerate, continue)."""
+    if session is None or not session.messages:
+        warn("Nothing to do yet: send a message first.")
+        yield tab.streamed(session, state, saved=False)
+        return
+    try:
+        stream = start(session)
+    except ValueError as e:
+        warn(e)
+        yield tab.streamed(session, state, saved=False)
+        return
+    yield from stream_into(tab, session, state, stream, saved=True)
+
+
+def edit(tab, session, state, turn, text):
+    text = message_text(text)
+    return act(tab, session, state, lambda s: s.edit(_turn(turn), text), replays=True)
+
+
+def pin(tab, session, state, turn, pinned):
+    return act(tab, session, state, lambda s: s.pin(_turn(turn), pinned=pin_wanted(pinned)))
+
+
+def _turn(turn):
+    """A message index from the Chatbot (an int) or a script (anything): checked, not trusted."""
+    if isinstance(turn, (list, tuple)) and turn:
+        turn = turn[0]
+    if isinstance(turn, bool) or not isinstance(turn, (int, float)) or turn != int(turn):
+        raise ValueError(f"a message number must be a whole number, got {turn!r}")
+    return int(turn)
+
+
+def wire(app, tab, c, session, conversation_id, state):
+    """Connect the chat column's events. Every streaming event shares one concurrency slot pool."""
+    limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
+    pending = gr.State(None)
+
+    def step2(message, session, conversation_id, state, progress=gr.Progress()):
+        yield from reply(app, tab, message, session, conversation_id, state, progress)
+
+    for trigger in (c.text.submit, c.send_btn.click):
+        trigger(take_message, inputs=c.text, outputs=[c.text, pending], api_visibility="private", concurrency_limit=None).then(
+            step2, inputs=[pending, session, conversation_id, state], outputs=tab.streamed_outputs(), **limit,
+            api_visibility="private", show_progress="hidden")
+    c.stop_btn.click(lambda s: s.stop() if s is not None else None, inputs=session, queue=False, api_name="stop")
+
+    def retried(session, state, data: gr.RetryData):
+        yield from run_stream(tab, session, state, lambda s: s.regenerate())
+
+    def continue_reply(session, state):
+        yield from run_stream(tab, session, state, lambda s: s.continue_reply())
+
+    def undone(session, state, data: gr.UndoData):
+        return act(tab, session, state, lambda s: s.undo())
+
+    def edited(session, state, data: gr.EditData):
+        return edit(tab, session, state, data.index, data.value)
+
+    def liked(session, state, data: gr.LikeData):
+        return pin(tab, session, state, data.index, data.liked)
+
+    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit)
+    c.chatbot.retry(retried, **io, api_visibility="private")
+    c.cont_btn.click(continue_reply, **io, api_name="continue")
+    c.chatbot.undo(undone, **io, api_visibility="private")
+    c.chatbot.edit(edited, **io, api_visibility="private")
+    c.chatbot.like(liked, **io, api_visibility="private")
