@@ -157,10 +157,10 @@ def wire_conversation(app, tab, session, conversation_id, state):
 
 def wire_api(app, tab, session, state):
     """Routes for scripts (gradio_client) that the page reaches through the Chatbot's own
-    controls: the whole send, regenerate, undo, and edit and pin by message number."""
+    controls: the whole send, regenerate, undo, edit and pin by message number, the saved list."""
     with gr.Group(visible=False):
         text, turn, pinned = gr.Textbox(), gr.Number(precision=0), gr.Checkbox()
-        send_btn, edit_btn, pin_btn, regen_btn, undo_btn = (gr.Button() for _ in range(5))
+        send_btn, edit_btn, pin_btn, regen_btn, undo_btn, list_btn = (gr.Button() for _ in range(6))
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
 
     def send(text, session, state):
@@ -181,6 +181,7 @@ def wire_api(app, tab, session, state):
     def undo(session, state):
         return ui_chat.act(tab, session, state, lambda s: s.undo())
 
+    list_btn.click(lambda: gr.Dropdown(choices=app.saved()), outputs=tab.settings.saved, api_name="saved_sessions")
     regen_btn.click(regenerate, inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_name="regenerate")
     undo_btn.click(undo, inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_name="undo")
     pin_btn.click(pin, inputs=[session, state, turn, pinned], outputs=tab.streamed_outputs(), **limit, api_name="pin")

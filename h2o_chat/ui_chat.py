@@ -101,25 +101,28 @@ def ensure_session(app, tab, session, conversation_id, state, progress=None):
 
 
 def reply(app, tab, message, session, conversation_id, state, progress=None):
-    """Step 2 of a send: stream the reply to `message` (None: step 1 refused it)."""
+    """Step 2 of a send: yield (message box, *tab outputs) while the reply to `message` streams
+    (None: step 1 refused it). The box is left alone, except that a message the session
+    refuses (out of memory while reading it) goes back into it."""
     if message is None:
-        yield tab.streamed(session, state, panel=False, saved=False)
+        yield (gr.skip(), *tab.streamed(session, state, panel=False, saved=False))
         return
     try:
         session = ensure_session(app, tab, session, conversation_id, state, progress)
         stream = session.send(message)
     except ValueError as e:
         warn(e)
-        yield tab.streamed(session, state)
+        yield (message, *tab.streamed(session, state))
         return
-    yield from stream_into(tab, session, state, stream, saved=True)
+    for out in stream_into(tab, session, state, stream, saved=True):
+        yield (gr.skip(), *out)
 
 
 def send_whole(app, tab, text, session, state):
     """Both steps in one call, for scripts (the /send route): (box, *tab outputs)."""
     box, message = take_message(text)
-    for out in reply(app, tab, message, session, None, state):
-        yield (box, *out)
+    for first, *out in reply(app, tab, message, session, None, state):
+        yield (first if isinstance(first, str) else box, *out)  # a str: the session refused it
 
 
 def act(tab, session, state, action, replays=False):
@@ -179,9 +182,10 @@ def wire(app, tab, c, session, conversation_id, state):
         yield from reply(app, tab, message, session, conversation_id, state, progress)
 
     for trigger in (c.text.submit, c.send_btn.click):
-        trigger(take_message, inputs=c.text, outputs=[c.text, pending], api_visibility="private", concurrency_limit=None).then(
-            step2, inputs=[pending, session, conversation_id, state], outputs=tab.streamed_outputs(), **limit,
-            api_visibility="private", show_progress="hidden")
+        trigger(take_message, inputs=c.text, outputs=[c.text, pending], api_visibility="private",
+                concurrency_limit=None).then(
+            step2, inputs=[pending, session, conversation_id, state], outputs=[c.text, *tab.streamed_outputs()],
+            **limit, api_visibility="private", show_progress="hidden")
     c.stop_btn.click(lambda s: s.stop() if s is not None else None, inputs=session, queue=False, api_name="stop")
 
     def retried(session, state, data: gr.RetryData):
