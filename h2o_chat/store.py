@@ -1,21 +1,48 @@
-"""Saved sessions: one JSON file per session inside a data folder, written atomically.
+"""Saved conversations: one JSON file per Conversation inside a data folder.
 
-Only JSON is ever read (never pickle). Session ids are checked so that no id can name a file
-outside the folder.
+    read(data_dir, conversation_id) -> Conversation          SessionFileError if it cannot be
+    write(data_dir, conversation)   -> the new revision       StaleRevisionError if another
+                                                               writer got there first
+    summaries(data_dir) -> [Summary], newest first             (id, title, updated, n_messages)
+    list_ids(data_dir), load(data_dir, id) -> record dict, save(data_dir, id, record): the
+    file level underneath (save has no revision check).
+
+Writes are atomic (a temporary file, fsync, rename: a crash leaves the old file or the new
+one, never half). `write` is compare-and-swap on the revision: it writes only when the file's
+revision is the one the conversation was read as, under a lock file, so two sessions (two tabs,
+two processes) on one saved conversation cannot overwrite each other's turns; the loser is told
+with StaleRevisionError and keeps its text (ChatSession saves it as a fork).
+
+Only JSON is ever read (never pickle). Ids are checked so that no id can name a file outside
+the folder. Format 1 files (before revisions) load as revision 0.
 """
 
+import fcntl
 import json
 import os
 import re
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
-FORMAT_VERSION = 1
+from .conversation import Conversation, Summary
+
+FORMAT_VERSION = 2
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let "id\n" through
 
 
 class SessionFileError(ValueError):
-    """A saved session that cannot be loaded; the message says which and why."""
+    """A saved conversation that cannot be loaded; the message says which and why."""
+
+
+class StaleRevisionError(ValueError):
+    """Another writer saved this conversation since it was read: writing would lose its turns."""
+
+    def __init__(self, conversation_id, ours, on_disk):
+        super().__init__(f"conversation {conversation_id!r} was changed elsewhere (another tab or session saved "
+                         f"revision {on_disk}; this copy was read as revision {ours}), so it was not overwritten")
+        self.conversation_id, self.ours, self.on_disk = conversation_id, ours, on_disk
 
 
 def check_id(session_id):
@@ -28,6 +55,66 @@ def session_path(data_dir, session_id):
     return Path(data_dir) / f"{check_id(session_id)}.json"
 
 
+# --- conversations ---------------------------------------------------------------------------
+def read(data_dir, conversation_id):
+    record = load(data_dir, conversation_id)
+    try:
+        return Conversation.from_record(record, conversation_id)
+    except (TypeError, ValueError) as e:
+        raise SessionFileError(f"saved session {conversation_id!r} has invalid settings: {e}") from None
+
+
+def write(data_dir, conversation):
+    """Save `conversation` if the file still holds the revision it was read as (or there is no
+    file and it was never saved). Sets its revision and `updated` to the saved ones."""
+    path = session_path(data_dir, conversation.id)
+    with _locked(path):
+        on_disk = _revision_on_disk(path)
+        if on_disk != conversation.revision:
+            raise StaleRevisionError(conversation.id, conversation.revision, on_disk)
+        updated = time.time()
+        save(data_dir, conversation.id, {**conversation.record(), "revision": on_disk + 1, "updated": updated})
+    conversation.revision, conversation.updated = on_disk + 1, updated
+    return conversation.revision
+
+
+def summaries(data_dir):
+    """One Summary per saved file, newest first; a file that cannot be read is listed with its error."""
+    rows = []
+    for conversation_id in list_ids(data_dir):
+        try:
+            rows.append(read(data_dir, conversation_id).summary())
+        except SessionFileError as e:
+            mtime = session_path(data_dir, conversation_id).stat().st_mtime
+            rows.append(Summary(conversation_id, f"(unreadable) {conversation_id}", mtime, 0, str(e)))
+    return sorted(rows, key=lambda s: s.updated, reverse=True)
+
+
+def _revision_on_disk(path):
+    """0 when there is no file (or a format 1 file, which had no revisions)."""
+    if not path.is_file():
+        return 0
+    try:
+        revision = json.loads(path.read_text(encoding="utf-8")).get("revision", 0)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError):
+        return -1  # a file we cannot read is never silently replaced
+    return revision if isinstance(revision, int) and not isinstance(revision, bool) else -1
+
+
+@contextmanager
+def _locked(path):
+    """Holds `.<id>.lock` next to the file: the check and the write of `write` are one step
+    for every thread and process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.stem}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# --- files -----------------------------------------------------------------------------------
 def save(data_dir, session_id, record):
     """Write the record atomically: a crash leaves the old file or the new one, never half."""
     path = session_path(data_dir, session_id)
@@ -35,7 +122,7 @@ def save(data_dir, session_id, record):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{session_id}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"version": FORMAT_VERSION, **record}, f, ensure_ascii=False, indent=1)
+            json.dump({**record, "version": FORMAT_VERSION}, f, ensure_ascii=False, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -45,6 +132,7 @@ def save(data_dir, session_id, record):
 
 
 def load(data_dir, session_id):
+    """The saved record, checked: a version this code reads, a well-formed transcript."""
     path = session_path(data_dir, session_id)
     if not path.is_file():
         raise SessionFileError(f"no saved session {session_id!r} in {data_dir}")
@@ -81,7 +169,7 @@ def _is_text(value):
 
 
 def list_ids(data_dir):
-    """Ids of the saved sessions, newest first."""
+    """Ids of the saved sessions, newest file first."""
     folder = Path(data_dir)
     if not folder.is_dir():
         return []
@@ -90,9 +178,7 @@ def list_ids(data_dir):
 
 
 def to_markdown(record):
-    lines = [f"# {record.get('title') or 'h2o-chat session'}", ""]
-    if record.get("system_prompt"):
-        lines += [f"**system**: {record['system_prompt']}", ""]
-    for m in record["messages"]:
-        lines += [f"**{m['role']}**{' (pinned)' if m.get('pinned') else ''}:", "", m["content"], ""]
-    return "\n".join(lines)
+    """A saved record (dict) as Markdown; ChatSession.to_markdown gives its conversation's."""
+    from .conversation import to_markdown as conversation_markdown
+
+    return conversation_markdown(Conversation.from_record(record, record.get("id") or "export"))

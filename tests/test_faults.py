@@ -23,6 +23,7 @@ from transformers import DynamicCache
 import h2o_chat.ui_state as ui_state
 from h2o_chat import ChatSession, session as session_mod, store
 from h2o_chat.model import load_model
+from h2o_chat.conversation import Message
 from h2o_chat.session import GenerationError
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, live_app, never_ending, save_tiny_chat, text_of, texts, warnings_of
@@ -135,7 +136,7 @@ def test_regenerate_answers_a_message_left_without_a_reply(tiny_chat, tmp_path):
     model, tok = tiny_chat
     session = ChatSession(model, tok, cache=EVICTING, temperature=0, max_new_tokens=6, data_dir=tmp_path)
     "".join(session.send("First"))
-    session.messages.append({"role": "user", "content": "Second", "pinned": False})
+    session.messages.append(Message("user", "Second"))
     session.autosave()
     restored = ChatSession.restore(model, tok, session.id, tmp_path)
     "".join(restored.regenerate())

@@ -1,6 +1,7 @@
 """ChatSession: one H2O cache across turns, exact incremental templating, stop, undo,
 regenerate, edit, pins, the ledger, autosave and restore."""
 
+import copy
 import json
 import random
 import threading
@@ -177,7 +178,7 @@ def test_pinned_message_is_never_evicted(tiny_chat):
                           temperature=0, max_new_tokens=10)
     "".join(session.send("The hero is called Ada."))
     session.pin(0)
-    start, end = session._turn_range(0)
+    ((start, end),) = session.cache.pins
     chat(session, USER_TURNS)
     for layer in range(2):
         for h in range(2):
@@ -195,9 +196,7 @@ def test_edit_replays_from_the_changed_message(tiny_chat):
     session = ChatSession(model, tok, cache=NO_EVICTION, temperature=0, max_new_tokens=8)
     chat(session, USER_TURNS[:3])
     session.edit(2, "A different question.")
-    fresh = ChatSession(model, tok, cache=NO_EVICTION, temperature=0, max_new_tokens=8)
-    fresh.messages = [dict(m) for m in session.messages]
-    fresh._sync(fresh._render(open_reply=True))
+    fresh = ChatSession.from_conversation(model, tok, copy.deepcopy(session.conversation))
     assert session._fed == fresh._fed
 
 
@@ -241,7 +240,7 @@ def test_autosave_restore_roundtrip_and_bad_files(tiny_chat, tmp_path):
     session.pin(0)
     restored = ChatSession.restore(model, tok, session.id, tmp_path)
     assert restored.history == session.history and restored.system_prompt == "You are terse."
-    assert restored.cache_config == session.cache_config and restored.messages[0]["pinned"]
+    assert restored.cache_config == session.cache_config and restored.messages[0].pinned
     assert "**user**" in restored.to_markdown()
 
     (tmp_path / "corrupt.json").write_text("{not json")

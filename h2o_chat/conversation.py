@@ -1,0 +1,214 @@
+"""Conversation: plain data, and the one thing that is saved.
+
+    Conversation(id, title, created, updated, revision, messages, settings, forked_from)
+      messages: [Message(role "user" | "assistant", content, pinned)]
+      settings: Settings(cache: CacheConfig, sampling: Sampling, system_prompt: str | None)
+
+Every setting is declared once, here (Sampling) or in policy.CacheConfig, with its default and
+its check; everything else (ChatSession, the UI, the saved file) reads it from there. `CHOICES`
+are the values the UI offers for the settings that are a choice.
+
+`record()` / `Conversation.from_record()` are the JSON round trip (the file layout, format 2):
+
+    {"version": 2, "id", "title", "created", "updated", "revision", "forked_from",
+     "system_prompt", "cache": {CacheConfig fields}, "sampling": {Sampling fields},
+     "messages": [{"role", "content", "pinned"}]}
+
+Format 1 (before revisions) is the same without title/created/revision/forked_from and loads
+with revision 0. `revision` counts the writes the file has seen: a writer must hold the
+revision on disk to write (store.write), so two sessions never overwrite each other's turns.
+"""
+
+import math
+import numbers
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+
+from .policy import POLICIES, POSITIONS, SCORES, CacheConfig
+
+ROLES = ("user", "assistant")
+CHOICES = {"policy": POLICIES, "score": SCORES, "positions": POSITIONS}
+TITLE_WORDS = 8
+
+
+def _number(name, value, low=None, high=None, integer=False, low_open=False):
+    """A setting that must be a real number (bools, text, NaN refused) within bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if integer:
+        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+        value = int(value)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
+        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+    return value
+
+
+@dataclass
+class Sampling:
+    """How replies are drawn. temperature 0 means greedy."""
+
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
+    stop: tuple = ()  # extra stop strings
+
+    def __post_init__(self):
+        self.temperature = _number("temperature", self.temperature, 0, 5)
+        self.top_p = _number("top_p", self.top_p, 0, 1, low_open=True)
+        self.top_k = _number("top_k", self.top_k, 0, integer=True)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0, low_open=True)
+        self.max_new_tokens = _number("max_new_tokens", self.max_new_tokens, 1, integer=True)
+        if self.seed is not None:
+            self.seed = _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = tuple(stop)
+
+
+def sampling(values=None, base=None):
+    """A Sampling from a dict of its fields over `base` (the defaults when None); a misspelt
+    field is a ValueError that names it, not a TypeError."""
+    values = values or {}
+    unknown = sorted(set(values) - set(Sampling.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]!r}; the sampling settings are "
+                         f"{', '.join(Sampling.__dataclass_fields__)}")
+    return Sampling(**{**asdict(base or Sampling()), **values})
+
+
+def cache_config(cache):
+    """A CacheConfig from a CacheConfig, a dict of its fields or None; ValueError otherwise."""
+    if isinstance(cache, CacheConfig):
+        return cache
+    if cache is None:
+        cache = {}
+    if not isinstance(cache, dict):
+        raise ValueError(f"cache settings must be a dict of CacheConfig fields, got {type(cache).__name__}")
+    unknown = sorted(set(cache) - set(CacheConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown cache setting {unknown[0]!r}; the settings are "
+                         f"{', '.join(CacheConfig.__dataclass_fields__)}")
+    return CacheConfig(**cache)
+
+
+@dataclass
+class Settings:
+    """Everything a conversation runs with. system_prompt None means none."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sampling: Sampling = field(default_factory=Sampling)
+    system_prompt: str | None = None
+
+    def record(self):
+        return {"system_prompt": self.system_prompt, "cache": asdict(self.cache), "sampling": asdict(self.sampling)}
+
+    @classmethod
+    def from_record(cls, record):
+        """From a saved file's fields; ValueError (or TypeError) for settings that are not valid.
+        Sampling fields this version does not know are dropped (a newer file may add some)."""
+        saved_sampling, cache = record.get("sampling") or {}, record.get("cache") or {}
+        if not isinstance(saved_sampling, dict) or not isinstance(cache, dict):
+            raise ValueError("the settings are not key-value maps")
+        saved_sampling = {k: v for k, v in saved_sampling.items() if k in Sampling.__dataclass_fields__}
+        system_prompt = record.get("system_prompt")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError("the system prompt is not text")
+        return cls(cache_config(cache), sampling(saved_sampling), system_prompt or None)
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    pinned: bool = False
+
+    @classmethod
+    def of(cls, value):
+        """A Message from a Message or a {"role", "content", "pinned"?} dict."""
+        if isinstance(value, Message):
+            return value
+        if not isinstance(value, dict) or value.get("role") not in ROLES or not isinstance(value.get("content"), str):
+            raise ValueError(f"a message is a dict with a role ({' or '.join(ROLES)}) and text content, got {value!r}")
+        return cls(value["role"], value["content"], bool(value.get("pinned")))
+
+
+def new_id():
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class Conversation:
+    id: str = field(default_factory=new_id)
+    messages: list = field(default_factory=list)  # [Message]
+    settings: Settings = field(default_factory=Settings)
+    title: str = ""  # "" until someone names it: the first words of the first message stand in
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    revision: int = 0  # the revision on disk this copy was read as (0: never saved)
+    forked_from: str | None = None
+
+    @property
+    def display_title(self):
+        if self.title:
+            return self.title
+        first = next((m.content for m in self.messages if m.role == "user"), "")
+        words = first.split()
+        return " ".join(words[:TITLE_WORDS]) + (" ..." if len(words) > TITLE_WORDS else "") or "New chat"
+
+    def record(self):
+        return {"id": self.id, "title": self.title, "created": self.created, "updated": self.updated,
+                "revision": self.revision, "forked_from": self.forked_from, **self.settings.record(),
+                "messages": [asdict(m) for m in self.messages]}
+
+    @classmethod
+    def from_record(cls, record, conversation_id):
+        """From a record store.load has checked (messages and system prompt are well formed);
+        ValueError/TypeError for invalid settings."""
+        updated = record.get("updated")
+        updated = updated if isinstance(updated, (int, float)) and not isinstance(updated, bool) else 0.0
+        created = record.get("created")
+        created = created if isinstance(created, (int, float)) and not isinstance(created, bool) else updated
+        revision = record.get("revision", 0)
+        if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+            raise ValueError(f"the revision must be a non-negative whole number, got {revision!r}")
+        title, forked_from = record.get("title") or "", record.get("forked_from")
+        return cls(id=conversation_id, messages=[Message.of(m) for m in record["messages"]],
+                   settings=Settings.from_record(record), title=title if isinstance(title, str) else "",
+                   created=created, updated=updated, revision=revision,
+                   forked_from=forked_from if isinstance(forked_from, str) else None)
+
+    def fork(self):
+        """A copy under a new id that has never been saved: where a writer that lost a revision
+        race keeps its text."""
+        return replace(self, id=new_id(), messages=[replace(m) for m in self.messages], revision=0,
+                       title=f"{self.display_title} (copy)", created=time.time(), forked_from=self.id)
+
+    def summary(self):
+        return Summary(self.id, self.display_title, self.updated, len(self.messages))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One line of the saved-conversations list. error: why the file cannot be opened (None when it can)."""
+
+    id: str
+    title: str
+    updated: float
+    n_messages: int
+    error: str | None = None
+
+
+def to_markdown(conversation):
+    lines = [f"# {conversation.display_title}", ""]
+    if conversation.settings.system_prompt:
+        lines += [f"**system**: {conversation.settings.system_prompt}", ""]
+    for m in conversation.messages:
+        lines += [f"**{m.role}**{' (pinned)' if m.pinned else ''}:", "", m.content, ""]
+    return "\n".join(lines)

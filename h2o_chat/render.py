@@ -1,0 +1,70 @@
+"""The chat template, as token segments: what the model sees of a conversation.
+
+    render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False)
+      -> [Segment(ids, role, turn)]   turn: index into messages, -1 for the system prompt
+
+Message texts are tokenized on their own with special tokens split, so a user typing
+"<|im_end|>" gets plain text, never a control token; the template's own text is tokenized
+normally. Both meet at the template's fixed separators: the template is rendered with a
+placeholder per message, and split there.
+"""
+
+from typing import NamedTuple
+
+PLACEHOLDER = "\x00h2o-content-{}\x00"
+
+
+class Segment(NamedTuple):
+    ids: list
+    role: str
+    turn: int
+
+
+def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False):
+    """The segments of the whole history as the chat template lays it out. messages: objects
+    with .role and .content. With open_reply a last reply is left open (no end-of-turn), as
+    it is right after generating it; otherwise add_generation_prompt opens a new one."""
+    open_last = open_reply and messages and messages[-1].role == "assistant"
+    shown = messages[:-1] if open_last else messages
+    add_generation_prompt = add_generation_prompt or open_last
+    keys = (["s"] if system_prompt else []) + list(range(len(shown)))
+    chat = [{"role": "system" if k == "s" else shown[k].role, "content": PLACEHOLDER.format(k)} for k in keys]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt) \
+        if chat else ""
+    segments, turn = [], -1 if system_prompt else 0
+    for key in keys:
+        head, text = text.split(PLACEHOLDER.format(key), 1)
+        content, role = (system_prompt, "system") if key == "s" else (shown[key].content, shown[key].role)
+        segments += [Segment(tokenize(tokenizer, head, template=True), role, turn),
+                     Segment(tokenize(tokenizer, content, template=False), role, turn)]
+        turn += 1
+    tail = len(shown)
+    if open_last:
+        segments += [Segment(tokenize(tokenizer, text, template=True), "assistant", tail),
+                     Segment(tokenize(tokenizer, messages[-1].content, template=False), "assistant", tail)]
+    elif add_generation_prompt:
+        segments.append(Segment(tokenize(tokenizer, text, template=True), "assistant", tail))
+    else:  # the last message's end-of-turn
+        segments.append(Segment(tokenize(tokenizer, text, template=True), "template", tail - 1))
+    return [s for s in segments if s.ids]
+
+
+def tokenize(tokenizer, text, template):
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=not template).input_ids
+
+
+def token_ids(segments):
+    return [t for s in segments for t in s.ids]
+
+
+def turn_ranges(segments, turns):
+    """Absolute [start, end) of each of `turns` in the rendered tokens (turns absent: skipped)."""
+    ranges, pos = {}, 0
+    for s in segments:
+        if s.turn in turns:
+            start, _ = ranges.get(s.turn, (pos, pos))
+            ranges[s.turn] = (start, pos + len(s.ids))
+        pos += len(s.ids)
+    return [ranges[t] for t in sorted(ranges)]

@@ -1,0 +1,124 @@
+"""Timeline: the derived state of one conversation, rebuildable from it at any time.
+
+    Timeline(model, tokenizer, cache_config)
+      .cache     the H2OCache
+      .ledger    every token fed, in order (ledger.vocab_ids is the fed-token timeline)
+      .logits    [vocab] after the last fed token (what the next token is drawn from)
+      .sync(segments, pins, on_progress)   the one replay path (see below)
+      .feed_token(token, token_id, role, turn)   one generated token
+      .mark()    a snapshot of now, to come back to cheaply (undo, regenerate, a changed reply)
+
+`sync` makes the cache hold exactly the rendered `segments`: it keeps the longest fed prefix
+they share (going back to the latest snapshot inside it, or to empty), protects the pinned
+ranges (absolute [start, end) of the rendered tokens) BEFORE any of their tokens is fed, then
+feeds the rest in chunks. Edit, settings change, restore and reload all come through it.
+
+A forward that fails (out of memory) goes back to a state the cache has fully seen, so the
+timeline is never ahead of or behind the cache.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import H2OCache
+from .ledger import Ledger
+from .render import token_ids
+
+MAX_SNAPSHOTS = 4  # before the last two exchanges and their replies: undo, regenerate, re-tokenized replies
+
+
+class GenerationError(ValueError):
+    """The model could not run (out of memory). The session stays usable: a reply that was
+    streaming keeps what it had shown, the cache is back at a state it has fully seen, and a
+    message that never got a reply is taken back."""
+
+
+OUT_OF_MEMORY = ("out of memory: the model could not run. The reply stops here; lower the cache budget "
+                 "or max new tokens and try again")
+
+
+@dataclass
+class Snapshot:
+    n_fed: int
+    cache: object
+    logits: torch.Tensor | None
+
+
+class Timeline:
+    def __init__(self, model, tokenizer, cache_config):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = H2OCache(model, config=cache_config)
+        self.ledger = Ledger()
+        self.logits = None
+        self.snapshots = []
+        self.tokens_processed = 0  # every token run through the model, replays included
+
+    @property
+    def fed(self):
+        return self.ledger.vocab_ids
+
+    def sync(self, segments, pins=(), on_progress=None):
+        """Feed what the cache lacks of `segments`; pins checked (ValueError, nothing changed) first."""
+        self.cache.set_pins(pins)  # refused here, before anything changed, when the budget has no room
+        target = token_ids(segments)
+        common = 0
+        for a, b in zip(self.fed, target):
+            if a != b:
+                break
+            common += 1
+        if common < len(self.fed):
+            self.go_back(common)
+            self.cache.set_pins(pins)  # a snapshot brings its own pins back
+        pos = 0
+        for ids, role, turn in segments:
+            if pos + len(ids) > len(self.fed):
+                self.feed(ids[len(self.fed) - pos :], role, turn, on_progress, len(target))
+            pos += len(ids)
+
+    def mark(self):
+        self.snapshots = self.snapshots[-(MAX_SNAPSHOTS - 1) :] + [
+            Snapshot(len(self.fed), self.cache.snapshot(), self.logits)]
+
+    def go_back(self, n):
+        """Return to the latest snapshot of at most `n` tokens (or to empty)."""
+        usable = [s for s in self.snapshots if s.n_fed <= n]
+        snap = max(usable, key=lambda s: s.n_fed) if usable else None
+        if snap:
+            self.cache.restore(snap.cache)
+        else:
+            self.cache.reset()
+        self.logits = snap.logits if snap else None
+        n = snap.n_fed if snap else 0
+        self.ledger.truncate(n)
+        self.snapshots = [s for s in self.snapshots if s.n_fed <= n]
+
+    @torch.no_grad()
+    def feed(self, ids, role, turn, on_progress=None, total=None):
+        chunk = self.cache.config.prefill_chunk
+        for s in range(0, len(ids), chunk):
+            part = ids[s : s + chunk]
+            self._forward(torch.tensor([part], device=self.model.device))
+            self.ledger.append(part, [self.tokenizer.decode([t]) for t in part], role, turn)
+            if on_progress:
+                on_progress(len(self.fed), total)
+
+    @torch.no_grad()
+    def feed_token(self, token, token_id, role, turn):
+        """token: the 0-d tensor the sampler drew (on the device, so no copy); token_id: its value."""
+        self._forward(token.view(1, 1))
+        self.ledger.append([token_id], [self.tokenizer.decode([token_id])], role, turn)
+
+    def _forward(self, x):
+        try:
+            self.logits = self.model(x, cache=self.cache, logits_to_keep=1).logits[0, -1].float()
+        except BaseException as e:
+            # some layers may have taken the input and others not: go back to a state the cache
+            # has fully seen (a snapshot, else empty); the next sync feeds the rest again
+            self.go_back(len(self.fed))
+            if isinstance(e, torch.OutOfMemoryError):
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # hand the failed allocation's cached blocks back
+                raise GenerationError(OUT_OF_MEMORY) from None
+            raise
+        self.tokens_processed += x.shape[1]
