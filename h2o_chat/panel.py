@@ -234,11 +234,11 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
             f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
 
 
-def render(session, layer=None, head=None, live=None, points=None):
+def render(session, layer=None, head=None, live=None):
     """Everything the panel shows for a session, as strings and plain rows (no tensors).
-    points: the chart's points (default: every finished reply and now)."""
+    The charts plot the session's points (it starts them again after a replay) and now."""
     retention = session.ledger.retention(session.cache)
-    points = (session.turn_stats if points is None else points) + [session.stats]  # the live point moves
+    points = session.turn_stats + [session.stats]  # the live point moves as a reply streams
     return {"token_map": token_map(session.ledger, retention, layer, head),
             "retention_map": retention_map_html(retention, layer),
             "stats": stats_markdown(session.stats, retention, layer, head, live),

@@ -11,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 
 from . import ui_chat, ui_panel, ui_settings
-from .ui_state import BROWSER_KEY, App, chat_view, new_view, warn
+from .ui_state import BROWSER_KEY, App, chat_view, new_view, tell, warn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
@@ -35,6 +35,8 @@ class Tab:
         return self.streamed_outputs() + self.settings.fields()
 
     def streamed(self, session, state, live=None, panel=True, saved=True):
+        if saved:
+            tell(session)
         saved_list = gr.Dropdown(choices=self.app.saved()) if saved else gr.skip()
         shown = ui_panel.view(session, state, live) if panel else ui_panel.skip()
         conversation_id = session.id if session is not None and session.messages else gr.skip()
@@ -43,11 +45,6 @@ class Tab:
     def everything(self, session, state):
         return self.streamed(session, state) + tuple(ui_settings.values(session))
 
-    @staticmethod
-    def replayed(session, state):
-        """The session's cache was rebuilt: the charts start again from here."""
-        state["since"] = len(session.turn_stats)
-
 
 def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None):
     """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
@@ -55,7 +52,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
     app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency)
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
         session = gr.State(None, delete_callback=lambda s: s.close() if s is not None else None)
-        state = gr.State(new_view())  # the panel's layer, head and chart start, per tab
+        state = gr.State(new_view())  # the panel's layer and head, per tab
         conversation_id = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=app.browser_secret())
         with gr.Row():
             with gr.Column(scale=3, min_width=320):
@@ -96,14 +93,12 @@ def wire_conversation(app, tab, session, conversation_id, state):
                 fresh = app.open(conversation_id, progress)
             except ValueError as e:
                 warn(e)
-        tab.replayed(fresh, state)
         return tab.everything(fresh, state)
 
     def new_chat(old, state):
         if old is not None:
             old.close()
         fresh = app.new_session()
-        tab.replayed(fresh, state)
         return tab.everything(fresh, state)
 
     def restore(old, state, chosen, progress=gr.Progress()):
@@ -117,7 +112,6 @@ def wire_conversation(app, tab, session, conversation_id, state):
             return tab.everything(old or app.new_session(), state)
         if old is not None:
             old.close()
-        tab.replayed(restored, state)
         return tab.everything(restored, state)
 
     def apply_cache(current, state, policy, budget, n_recent, n_sink, score, positions, progress=gr.Progress()):
@@ -126,7 +120,6 @@ def wire_conversation(app, tab, session, conversation_id, state):
         current.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
         try:
             current.configure(cache=ui_settings.cache_settings(*fields))
-            tab.replayed(current, state)
         except ValueError as e:
             warn(e)
         finally:
@@ -139,8 +132,6 @@ def wire_conversation(app, tab, session, conversation_id, state):
         try:
             changes = ui_settings.sampling_settings(current, *fields)
             current.configure(**changes)
-            if "system_prompt" in changes:
-                tab.replayed(current, state)
         except ValueError as e:
             warn(e)
         return tab.everything(current, state)

@@ -88,15 +88,13 @@ def stream_into(tab, session, state, stream, saved):
 
 
 # --- callbacks (app: ui_state.App, tab: ui.Tab) --------------------------------------------------
-def ensure_session(app, tab, session, conversation_id, state, progress=None):
+def ensure_session(app, tab, session, conversation_id, progress=None):
     """The tab's session; a tab whose server restarted has none: reopen the conversation the
     browser remembers (a replay), or start a new one."""
     if session is not None:
         return session
     if app.is_saved(conversation_id):
-        session = app.open(conversation_id, progress)
-        tab.replayed(session, state)
-        return session
+        return app.open(conversation_id, progress)
     return app.new_session()
 
 
@@ -108,14 +106,20 @@ def reply(app, tab, message, session, conversation_id, state, progress=None):
         yield (gr.skip(), *tab.streamed(session, state, panel=False, saved=False))
         return
     try:
-        session = ensure_session(app, tab, session, conversation_id, state, progress)
+        session = ensure_session(app, tab, session, conversation_id, progress)
+        n_before = len(session.messages)
         stream = session.send(message)
     except ValueError as e:
         warn(e)
         yield (message, *tab.streamed(session, state))
         return
+    last = None
     for out in stream_into(tab, session, state, stream, saved=True):
-        yield (gr.skip(), *out)
+        if last is not None:
+            yield (gr.skip(), *last)
+        last = out
+    taken_back = len(session.messages) == n_before  # the session could not even read it
+    yield (message if taken_back else gr.skip(), *last)
 
 
 def send_whole(app, tab, text, session, state):
@@ -125,7 +129,7 @@ def send_whole(app, tab, text, session, state):
         yield (first if isinstance(first, str) else box, *out)  # a str: the session refused it
 
 
-def act(tab, session, state, action, replays=False):
+def act(tab, session, state, action):
     """Run a non-streaming action on the session; a ValueError is a warning that changes nothing."""
     if session is None or (not session.messages):
         warn("Nothing to do yet: send a message first.")
@@ -135,8 +139,6 @@ def act(tab, session, state, action, replays=False):
     except ValueError as e:
         warn(e)
         return tab.streamed(session, state, saved=False)
-    if replays:
-        tab.replayed(session, state)
     return tab.streamed(session, state)
 
 
@@ -157,7 +159,7 @@ def run_stream(tab, session, state, start):
 
 def edit(tab, session, state, turn, text):
     text = message_text(text)
-    return act(tab, session, state, lambda s: s.edit(_turn(turn), text), replays=True)
+    return act(tab, session, state, lambda s: s.edit(_turn(turn), text))
 
 
 def pin(tab, session, state, turn, pinned):

@@ -81,10 +81,10 @@ def view(session, state, live=None):
     if session is None or not len(session.ledger):
         policy = session.cache_config.policy if session is not None else "h2o"
         empty = _chart([], "KV MiB")
-        return (render.legend_html(policy), "", "", "*Send a message to see what the cache keeps.*", empty,
+        waiting = "TTFT … · waiting for the first token" if live else "*Send a message to see what the cache keeps.*"
+        return (render.legend_html(policy), "", "", waiting, empty,
                 _chart([], "slots per head"), pd.DataFrame())
-    points = session.turn_stats[state.get("since", 0):]
-    shown = render.render(session, state["layer"], state["head"], live=live, points=points)
+    shown = render.render(session, state["layer"], state["head"], live=live)
     pins = pinned_turns(session)
     if pins:  # the Chatbot cannot mark a user message, so the stats name the pinned ones
         shown["stats"] += " · pinned (never evicted): " + ", ".join(f"message {i + 1}" for i in pins)

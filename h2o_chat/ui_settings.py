@@ -10,7 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from .policy import POLICIES, POSITIONS, SCORES
+from .session import ChatSession
 from .ui_state import number, warn
 
 
@@ -56,12 +56,12 @@ def build():
         sampling_btn = gr.Button("Apply", elem_id="apply-sampling")
     with gr.Accordion("Cache (changing it replays the chat)", open=False):
         with gr.Row():
-            policy = gr.Dropdown(list(POLICIES), label="Policy", elem_id="policy")
+            policy = gr.Dropdown(list(ChatSession.choices["policy"]), label="Policy", elem_id="policy")
             budget = gr.Number(label="Budget (slots)", precision=0, elem_id="budget")
             n_recent = gr.Number(precision=0, label="Recent window (0 = half)", elem_id="n-recent")
             n_sink = gr.Number(label="Sinks", precision=0, elem_id="n-sink")
-            score = gr.Dropdown(list(SCORES), label="Score", elem_id="score")
-            positions = gr.Dropdown(list(POSITIONS), label="Positions", elem_id="positions")
+            score = gr.Dropdown(list(ChatSession.choices["score"]), label="Score", elem_id="score")
+            positions = gr.Dropdown(list(ChatSession.choices["positions"]), label="Positions", elem_id="positions")
         cache_btn = gr.Button("Apply and replay", elem_id="apply-cache")
     with gr.Accordion("Saved conversations and export", open=False):
         with gr.Row():

@@ -49,7 +49,7 @@ class App:
         if progress is not None:
             on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the conversation")  # noqa: E731
         try:
-            return ChatSession.restore(self.model, self.tokenizer, conversation_id, self.data_dir, on_progress=on_progress)
+            return ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir, on_progress=on_progress)
         except store.SessionFileError as e:
             raise ValueError(str(e)) from None
 
@@ -62,20 +62,9 @@ class App:
             return False
 
     def saved(self):
-        """(label, id) of every saved conversation, newest first: title (first words), date and
-        message count. A file that cannot be read is listed by its id, so it can be tried (and
-        its error shown) but never hides the others."""
-        if not self.data_dir:
-            return []
-        rows = []
-        for conversation_id in store.list_ids(self.data_dir):
-            try:
-                record = store.load(self.data_dir, conversation_id)
-            except store.SessionFileError:
-                rows.append((f"{conversation_id} (unreadable)", conversation_id))
-                continue
-            rows.append((conversation_label(record, conversation_id), conversation_id))
-        return rows
+        """(label, id) of every saved conversation, newest first: title, date and message count
+        (a file that cannot be read is listed too, so its error can be shown)."""
+        return [(summary_label(s), s.id) for s in store.summaries(self.data_dir)] if self.data_dir else []
 
     def browser_secret(self):
         """The key BrowserState encrypts with: kept in the data folder so that a restarted server
@@ -91,20 +80,15 @@ class App:
         return path.read_text().strip()
 
 
-def conversation_label(record, conversation_id):
-    first = next((m["content"] for m in record.get("messages", []) if m["role"] == "user"), "")
-    words = " ".join(first.split()[:6]) or "(empty)"
-    title = record.get("title") or (words + ("…" if len(first.split()) > 6 else ""))
-    updated = record.get("updated")
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(updated)) if isinstance(updated, (int, float)) else "?"
-    n = len(record.get("messages", []))
-    return f"{title} · {when} · {n} message{'s' if n != 1 else ''}"
+def summary_label(summary):
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(summary.updated)) if summary.updated else "?"
+    n = summary.n_messages
+    return f"{summary.title} · {when} · {n} message{'s' if n != 1 else ''}"
 
 
 def new_view():
-    """The panel's per-tab view: layer and head (None = all), and `since`, the first of the
-    session's chart points that belongs to the cache shown (a replay starts the chart again)."""
-    return {"layer": None, "head": None, "since": 0}
+    """The panel's per-tab view: layer and head (None = all)."""
+    return {"layer": None, "head": None}
 
 
 def warn(error):
@@ -120,7 +104,13 @@ def chat_view(session):
 
 
 def pinned_turns(session):
-    return [i for i, m in enumerate(session.messages) if m.get("pinned")] if session else []
+    return [i for i, m in enumerate(session.messages) if m.pinned] if session else []
+
+
+def tell(session):
+    """Show what the session has to say (a save that became a fork: another tab saved first)."""
+    for notice in session.take_notices() if session is not None else ():
+        gr.Warning(notice)
 
 
 def number(label, value, kind=int):

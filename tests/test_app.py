@@ -157,8 +157,8 @@ def test_every_chat_action_through_the_app(app_url):
 
 def test_the_saved_list_names_each_conversation_newest_first(app_url):
     first, second = Client(app_url, verbose=False), Client(app_url, verbose=False)
-    send(first, "The first conversation starts here with many words")
+    send(first, "The first conversation starts here with many words")  # 8 words: the whole title
     saved = send(second, "A second one")["saved"]["choices"]
     labels = [label for label, _ in saved]
     assert labels[0].startswith("A second one · ") and labels[0].endswith(" · 2 messages")
-    assert any(label.startswith("The first conversation starts here with… · ") for label in labels[1:])
+    assert any(label.startswith("The first conversation starts here with many words · ") for label in labels[1:])
