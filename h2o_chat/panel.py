@@ -191,8 +191,12 @@ SERIES = ("this cache", "a full cache")
 def memory_rows(points):
     """Chart rows per point (after each reply, and now): slots per head and KV MiB for this
     cache and for a full cache, against tokens seen. Points whose token count is not above the
-    one before it come from before an undo or a replay and are dropped (no false falling line)."""
-    rows, last = [], -1
+    one before it come from before an undo or a replay and are dropped (no false falling line).
+    Both lines start at the origin (no tokens, no memory: true of every cache), so even the
+    first reply draws a line rather than a lone point."""
+    rows, last = [], 0
+    if points:
+        rows += [{"tokens seen": 0, "cache": name, "KV MiB": 0.0, "slots per head": 0} for name in SERIES]
     for s in points:
         if s["tokens_seen"] <= last:
             continue
@@ -219,6 +223,10 @@ def counts(retention, layer=None, head=None):
     return found
 
 
+def seconds(s):
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
 def stats_markdown(stats, retention, layer=None, head=None, live=None):
     """The stats line. live: (ttft_s, tokens_per_s) of the reply streaming now, shown instead
     of the last finished turn's."""
@@ -227,7 +235,7 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
     saved = 1 - stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
     ttft, speed = live if live is not None else (stats["ttft_s"], stats["tokens_per_s"])
     timing = ("TTFT … · waiting for the first token" if ttft is None else
-              f"TTFT {ttft:.2f} s · {speed:.1f} tokens/s" if speed is not None else f"TTFT {ttft:.2f} s")
+              f"TTFT {seconds(ttft)} · {speed:.1f} tokens/s" if speed is not None else f"TTFT {seconds(ttft)}")
     where = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", head {head}")
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** (a full cache: {stats['full_kv_bytes'] / 2**20:.1f} MiB, "

@@ -2,9 +2,9 @@
 Pin / Unpin flag), the message box (Enter sends, Shift+Enter makes a new line), Stop, Continue
 and New chat, and the callbacks that stream a reply into the tab.
 
-Sending is two steps: `take_message` checks the text and clears the box at once (text typed
-while the reply streams is never touched again), then `reply` streams. A refused message stays
-in the box with a warning.
+Sending is two steps: in the browser, Enter moves the text out of the box at once (no server
+round trip, so nothing typed after Enter is lost), then `reply` streams on the server and
+never touches the box again, except to put back a message the session refuses (with a warning).
 """
 
 import time
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .session import check_text
 from .ui_state import PANEL_EVERY_S, chat_view, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
@@ -39,16 +38,6 @@ def build():
         cont_btn = gr.Button("Continue", elem_id="continue", min_width=80)
         new_btn = gr.Button("New chat", elem_id="new-chat", min_width=80)
     return Chat(chatbot, text, send_btn, stop_btn, cont_btn, new_btn)
-
-
-def take_message(text):
-    """Step 1 of a send: (what stays in the box, the message to send or None)."""
-    try:
-        check_text(text)
-    except ValueError as e:
-        warn(e)
-        return text, None
-    return "", text
 
 
 def message_text(value):
@@ -99,12 +88,9 @@ def ensure_session(app, tab, session, conversation_id, progress=None):
 
 
 def reply(app, tab, message, session, conversation_id, state, progress=None):
-    """Step 2 of a send: yield (message box, *tab outputs) while the reply to `message` streams
-    (None: step 1 refused it). The box is left alone, except that a message the session
-    refuses (out of memory while reading it) goes back into it."""
-    if message is None:
-        yield (gr.skip(), *tab.streamed(session, state, panel=False, saved=False))
-        return
+    """Step 2 of a send: yield (message box, *tab outputs) while the reply to `message` streams.
+    The box is left alone (gr.skip()), except that a message the session refuses (empty, too
+    long, out of memory while reading it) goes back into it."""
     try:
         session = ensure_session(app, tab, session, conversation_id, progress)
         n_before = len(session.messages)
@@ -124,9 +110,8 @@ def reply(app, tab, message, session, conversation_id, state, progress=None):
 
 def send_whole(app, tab, text, session, state):
     """Both steps in one call, for scripts (the /send route): (box, *tab outputs)."""
-    box, message = take_message(text)
-    for first, *out in reply(app, tab, message, session, None, state):
-        yield (first if isinstance(first, str) else box, *out)  # a str: the session refused it
+    for box, *out in reply(app, tab, text, session, None, state):
+        yield ("" if isinstance(box, dict) else box, *out)  # a dict is gr.skip(): the message was taken
 
 
 def act(tab, session, state, action):
@@ -178,16 +163,19 @@ def _turn(turn):
 def wire(app, tab, c, session, conversation_id, state):
     """Connect the chat column's events. Every streaming event shares one concurrency slot pool."""
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
-    pending = gr.State(None)
+    pending = gr.Textbox(visible=False)  # the message on its way, out of the box
 
-    def step2(message, session, conversation_id, state, progress=gr.Progress()):
-        yield from reply(app, tab, message, session, conversation_id, state, progress)
+    def step2(message, typed, session, conversation_id, state, progress=gr.Progress()):
+        for box, *out in reply(app, tab, message, session, conversation_id, state, progress):
+            if not isinstance(box, dict) and typed:  # refused: back in the box, before what was typed since
+                box = f"{box or ''}{typed}"
+            yield (box, *out)
 
     for trigger in (c.text.submit, c.send_btn.click):
-        trigger(take_message, inputs=c.text, outputs=[c.text, pending], api_visibility="private",
-                concurrency_limit=None).then(
-            step2, inputs=[pending, session, conversation_id, state], outputs=[c.text, *tab.streamed_outputs()],
-            **limit, api_visibility="private", show_progress="hidden")
+        trigger(None, inputs=c.text, outputs=[pending, c.text], js="(text) => [text, '']", queue=False,
+                api_visibility="private").then(
+            step2, inputs=[pending, c.text, session, conversation_id, state],
+            outputs=[c.text, *tab.streamed_outputs()], **limit, api_visibility="private", show_progress="hidden")
     c.stop_btn.click(lambda s: s.stop() if s is not None else None, inputs=session, queue=False, api_name="stop")
 
     def retried(session, state, data: gr.RetryData):

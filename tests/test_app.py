@@ -82,7 +82,7 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Hello there"]  # the chat survives
     assert "**24** slots per head" in out["stats"] and (out["policy"], out["budget"], out["n_recent"]) == ("sink", 24, 8)
     assert "H2O keeps" not in out["legend"] and "StreamingLLM" in out["legend"]  # the text fits the policy
-    assert len(out["memory"]["value"]["data"]) == 2  # the chart starts again: one point, two series
+    assert len(out["memory"]["value"]["data"]) == 4  # the chart starts again: the origin and now, two series
     bad = shown(client.predict("h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache"))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
     assert (bad["policy"], bad["budget"]) == ("sink", 24)  # ... and the fields show what the chat uses

@@ -67,7 +67,7 @@ def test_memory_rows_and_stats(session):
     rows = panel.memory_rows(session.turn_stats)
     this = [r for r in rows if r["cache"] == "this cache"]
     full = [r for r in rows if r["cache"] == "a full cache"]
-    assert len(this) == len(full) == len(TURNS) * 3
+    assert len(this) == len(full) == len(TURNS) * 3 + 1  # every reply, and the origin
     assert this[-1]["slots per head"] == 48 and full[-1]["slots per head"] == session.stats["tokens_seen"]
     text = panel.stats_markdown(session.stats, session.ledger.retention(session.cache))
     assert f"{session.stats['tokens_seen']:,}** tokens seen" in text and "saved" in text
@@ -77,14 +77,15 @@ def test_memory_rows_and_stats(session):
 def test_points_from_before_a_replay_or_undo_are_dropped():
     point = lambda n, kv: {"tokens_seen": n, "kv_bytes": kv, "full_kv_bytes": 2 * n, "slots_used": n}  # noqa: E731
     rows = panel.memory_rows([point(10, 10), point(40, 30), point(20, 20), point(50, 30)])
-    assert [r["tokens seen"] for r in rows if r["cache"] == "this cache"] == [10, 40, 50]
+    assert [r["tokens seen"] for r in rows if r["cache"] == "this cache"] == [0, 10, 40, 50]
 
 
 def test_one_point_has_a_readable_scale():
     rows = panel.memory_rows([{"tokens_seen": 57, "kv_bytes": 2.504883 * 2**20, "full_kv_bytes": 3 * 2**20,
                                "slots_used": 48}])
     assert panel.chart_limits(rows, "tokens seen") == [0, pytest.approx(57 * 1.15)]
-    assert rows[0]["KV MiB"] == 2.505  # rounded, not 2.504883 as a raw tick
+    assert rows[2]["KV MiB"] == 2.505  # rounded, not 2.504883 as a raw tick
+    assert rows[0]["tokens seen"] == 0 and rows[0]["KV MiB"] == 0  # a line from the origin, not a lone point
 
 
 @pytest.mark.parametrize("policy, absent", [("sink", "H2O keeps"), ("window", "heavy hitters"), ("full", "evicts")])
