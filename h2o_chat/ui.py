@@ -15,7 +15,7 @@ from .ui_state import BROWSER_KEY, App, chat_view, new_view, tell, warn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
-HEAD = f"<script>{(ASSETS / 'follow.js').read_text(encoding='utf-8')}</script>"
+HEAD = f"<script>{(ASSETS / 'app.js').read_text(encoding='utf-8')}</script>"
 
 
 class Tab:

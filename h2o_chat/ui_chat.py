@@ -15,6 +15,15 @@ import gradio as gr
 from .ui_state import PANEL_EVERY_S, chat_view, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
+# runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
+# box as it was when Enter went down (assets/app.js); keys typed since then stay in the box.
+SEND_JS = """(text) => {
+  const box = document.querySelector('#message textarea');
+  const sent = box && box.dataset.sent !== undefined ? box.dataset.sent : text;
+  if (box) delete box.dataset.sent;
+  const now = box ? box.value : '';
+  return [sent, now.startsWith(sent) ? now.slice(sent.length) : ''];
+}"""
 
 
 @dataclass
@@ -172,7 +181,7 @@ def wire(app, tab, c, session, conversation_id, state):
             yield (box, *out)
 
     for trigger in (c.text.submit, c.send_btn.click):
-        trigger(None, inputs=c.text, outputs=[pending, c.text], js="(text) => [text, '']", queue=False,
+        trigger(None, inputs=c.text, outputs=[pending, c.text], js=SEND_JS, queue=False,
                 api_visibility="private").then(
             step2, inputs=[pending, c.text, session, conversation_id, state],
             outputs=[c.text, *tab.streamed_outputs()], **limit, api_visibility="private", show_progress="hidden")

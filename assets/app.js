@@ -21,3 +21,12 @@
   };
   new MutationObserver(place).observe(document.documentElement, { childList: true, subtree: true });
 })();
+
+// Enter in the message box: remember exactly what was in it when Enter went down, so that the
+// send (ui_chat.SEND_JS) takes that text and leaves anything typed a moment later in the box.
+document.addEventListener("keydown", (event) => {
+  const box = event.target;
+  if (event.key !== "Enter" || event.shiftKey || event.isComposing) return;
+  if (!(box instanceof HTMLTextAreaElement) || !box.closest("#message")) return;
+  box.dataset.sent = box.value;
+}, true);
