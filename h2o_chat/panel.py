@@ -212,7 +212,7 @@ def chart_limits(rows, column):
     """Axis ranges that start at 0 and leave room above the largest value, so one point shows
     as a point on a readable scale instead of raw ticks around it."""
     top = max((r[column] for r in rows), default=0)
-    return [0, max(top * 1.15, 1)]
+    return [0, top * 1.15 if top > 0 else 1]
 
 
 def counts(retention, layer=None, head=None):

@@ -16,6 +16,7 @@ from .ui_state import pinned_turns, warn
 
 CHART_COLUMNS = ["tokens seen", "cache", "KV MiB", "slots per head"]
 COLOR_MAP = {render.SERIES[0]: "#0072B2", render.SERIES[1]: "#E69F00"}
+ORIGIN = [{"tokens seen": 0, "cache": name, "KV MiB": 0.0, "slots per head": 0} for name in render.SERIES]
 
 
 @dataclass
@@ -40,10 +41,15 @@ def build(n_layers, n_heads, policy):
     with gr.Row(equal_height=False):
         token_map = gr.HTML(elem_id="token-map", min_height=120)
     retention_map = gr.HTML(elem_id="retention-map")
-    chart = dict(x="tokens seen", color="cache", color_map=COLOR_MAP, x_title="tokens seen", height=240,
-                 color_title="cache", x_label_angle=0, tooltip="all")
-    memory = gr.LinePlot(y="KV MiB", y_title="KV memory (MiB)", label="KV memory", elem_id="memory-chart", **chart)
-    slots = gr.LinePlot(y="slots per head", y_title="slots per KV head", label="Slots per head",
+    # the value starts with both series (at the origin): the legend's entries are made from the
+    # first value's series, and an empty first value left the legend with its title alone
+    start = pd.DataFrame(render.memory_rows([]) or ORIGIN, columns=CHART_COLUMNS)
+    chart = dict(value=start, x="tokens seen", color="cache", color_map=COLOR_MAP, colors_in_legend=list(render.SERIES),
+                 x_title="tokens seen", height=260, color_title="", x_label_angle=0, tooltip="all")
+    # titles inside the plot, no block label: a label pushes the plot down and clips its legend
+    memory = gr.LinePlot(y="KV MiB", y_title="KV memory (MiB)", title="KV memory", show_label=False,
+                         elem_id="memory-chart", **chart)
+    slots = gr.LinePlot(y="slots per head", y_title="slots per KV head", title="Slots per KV head", show_label=False,
                         elem_id="slots-chart", **chart)
     heavy = gr.Dataframe(label="Top heavy hitters in the view", max_height=260, elem_id="heavy")
     return Panel(legend, stats, layer, head, token_map, retention_map, memory, slots, heavy)

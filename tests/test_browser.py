@@ -189,8 +189,15 @@ def test_the_panel_views_and_the_charts_legends(page, tmp_path):
     assert page.locator("#retention-map img").count() == 1
     for chart in ("#memory-chart", "#slots-chart"):
         text = page.inner_text(chart)
-        assert "this cache" in text and "a full cache" in text, text  # the legend names both series
         assert "tokens seen" in text
+        for series in ("this cache", "a full cache"):  # the legend names both series, inside the chart's box
+            inside = page.evaluate(
+                "([chart, name]) => { const c = document.querySelector(chart).getBoundingClientRect(); "
+                "const t = [...document.querySelectorAll(chart + ' .role-legend-label text')]"
+                ".find(e => e.textContent === name); if (!t) return false; const r = t.getBoundingClientRect(); "
+                "return r.height > 0 && r.top >= c.top && r.bottom <= c.bottom && r.left >= c.left && r.right <= c.right; }",
+                [chart, series])
+            assert inside, f"{chart}: legend entry {series!r} missing or clipped"
     assert "KV memory (MiB)" in page.inner_text("#memory-chart")
     # the summary shows every token some (layer, head) keeps: at least one head's 48 slots
     assert page.locator("#token-map .tok:not(.st-evicted)").count() >= 48
@@ -199,9 +206,10 @@ def test_the_panel_views_and_the_charts_legends(page, tmp_path):
     page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1:')", timeout=WAIT_MS)
     assert page.locator("#retention-map .rmap-mark").count() == 1
     pick(page, "#head", "0")
+    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1, head 0:')",
+                           timeout=WAIT_MS)
     page.wait_for_function(
         "() => document.querySelectorAll('#token-map .tok:not(.st-evicted)').length === 48", timeout=WAIT_MS)
-    assert "In layer 1, head 0:" in page.inner_text("#stats")
     page.screenshot(path=str(tmp_path / "browser.png"), full_page=True)
 
 
