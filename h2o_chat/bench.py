@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from . import kvpress_worker
+from . import kvpress_worker, llamacpp_worker
 from .cache import H2OCache
-from .model import load_model
+from .model import embedded_gguf_path, load_model
 from .session import ChatSession
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -149,6 +149,79 @@ def cmd_decode(args):
                                              "kv_MiB"], meta)
     write_plot(args.out, "decode-speed", rows, "seen", "tokens_per_s", "method", "decode speed vs tokens seen")
     write_plot(args.out, "decode-memory", rows, "seen", "kv_MiB", "method", "KV cache size vs tokens seen")
+
+
+class SyncCounter:
+    """Counts the host syncs Python code asks for while active: `.tolist()` and `.numpy()` (a
+    copy to the host); `.item()` and `bool(tensor)` reach the profiler as aten::_local_scalar_dense
+    and are counted there (see `count_ops`), so they are not counted twice here."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, self._counting(method))
+        return self
+
+    def _counting(self, method):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def count_ops(step, steps):
+    """Run `step()` `steps` times under the profiler; returns (aten ops per step, host syncs per
+    step, Counter of op names). Every aten call counts, nested ones too (a matmul that calls a
+    bmm is two), so the figure is what the dispatcher runs, not what Python wrote."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with SyncCounter() as python_syncs, profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    syncs = names["aten::_local_scalar_dense"] + python_syncs.count
+    return sum(names.values()) / steps, syncs / steps, names
+
+
+def cmd_ops(args):
+    """Ops and host syncs per decode token, after --seen tokens: a decode step is the model's
+    forward on the last token, the greedy pick, and the one `.item()` that streams the token (what
+    ChatSession does). h2o's budget is below --seen, so it evicts at every step."""
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    text = text_tokens(tokenizer, args.text, args.seen)
+    rows, counts = [], {}
+    for method in args.methods:
+        cache = make_cache(model, method, budget=args.budget)
+        with torch.no_grad():
+            token = model(text, cache=cache).logits[:, -1:].argmax(-1)
+
+            def step():
+                nonlocal token
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+                token.item()
+
+            for _ in range(2):  # warm-up: first-call paths and lazily built state
+                step()
+            ops, syncs, counts[method] = count_ops(step, args.steps)
+        rows.append({"method": method, "ops_per_token": round(ops), "syncs_per_token": round(syncs, 2)})
+    base = rows[0]
+    for row in rows:
+        row[f"added_vs_{base['method']}"] = row["ops_per_token"] - base["ops_per_token"]
+        added = counts[row["method"]] - counts[base["method"]]
+        row["most_added"] = ", ".join(f"{name[6:]} {n / args.steps:+.0f}" for name, n in added.most_common(6))
+    meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
+            "dtype": str(model.dtype), "threads": torch.get_num_threads()}
+    write_results(args.out, "ops", rows, ["method", "ops_per_token", f"added_vs_{base['method']}",
+                                          "syncs_per_token", "most_added"], meta)
 
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -272,8 +345,83 @@ def kvpress_dialogue_rows(args, model, worker, transcripts):
     return rows, result["versions"]
 
 
+def llamacpp_turn(server, tokenizer, history, new_tokens, n_ctx):
+    """One turn of the llama.cpp arm on its own conversation `history` (messages, its own replies),
+    rendered by our chat template into the token ids it is sent; the reply is appended. A prompt
+    the server refuses (past its context) is resent as a typical client would: the oldest turns
+    dropped until it fits. Returns the row's figures, from the server's `timings` and `usage`."""
+    ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
+    note = ""
+    try:
+        response = server.complete(ids, new_tokens)
+    except llamacpp_worker.LlamaCppError as e:
+        note = f"{len(ids)} tokens refused ({str(e)[:80]}); oldest turns dropped"
+        ids = history_ids(tokenizer, history, n_ctx - new_tokens)[0].tolist()
+        response = server.complete(ids, new_tokens)
+    history.append({"role": "assistant", "content": response["choices"][0]["text"]})
+    t, usage = response["timings"], response["usage"]
+    return {"ttft_s": t["prompt_ms"] / 1000, "decode_tok_s": t["predicted_per_second"],
+            "tokens_seen": usage["prompt_tokens"] + usage["completion_tokens"], "prefilled": t["prompt_n"],
+            "new": usage["completion_tokens"], "note": note}
+
+
+def h2o_turn(session, text):
+    for _ in session.send(text):
+        pass
+    st = session.stats
+    return {"ttft_s": st["ttft_s"], "decode_tok_s": st["tokens_per_s"], "tokens_seen": st["tokens_seen"],
+            "kv_MiB": st["kv_bytes"] / 2**20, "rss_MiB": _rss_kib("VmRSS") / 1024}
+
+
+def dialogue_vs_llamacpp(args, model, tokenizer, turns):
+    """h2o (ChatSession) and llama.cpp's server, each on its own conversation over the same user
+    turns, interleaved turn by turn so machine noise hits both alike; the whole chat --repeats
+    times, each row the median over repeats."""
+    python = llamacpp_worker.find_python(args.llamacpp or None)
+    if python is None:
+        raise SystemExit(f"--llamacpp: no llama.cpp venv found; make one with: {llamacpp_worker.MAKE_VENV}")
+    n_ctx = model.config.max_position_embeddings
+    runs = {"h2o": [], "llama.cpp": []}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with llamacpp_worker.start_server(python, embedded_gguf_path(), threads=torch.get_num_threads(),
+                                      n_ctx=n_ctx, log=Path(args.out) / "llamacpp-server.log") as server:
+        for repeat in range(args.repeats):
+            session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=args.budget, n_sink=4),
+                                  temperature=0, max_new_tokens=args.new_tokens)
+            history, per_turn = [], {"h2o": [], "llama.cpp": []}
+            for i, text in enumerate(turns, 1):
+                per_turn["h2o"].append(h2o_turn(session, text))
+                history.append({"role": "user", "content": text})
+                per_turn["llama.cpp"].append(llamacpp_turn(server, tokenizer, history, args.new_tokens, n_ctx))
+                print(repeat, i, {m: {k: v for k, v in r[-1].items()} for m, r in per_turn.items()}, flush=True)
+            for m in runs:
+                runs[m].append(per_turn[m])
+        settings = server.settings
+    rows = []
+    for i in range(len(turns)):
+        for m, reps in runs.items():
+            at = [rep[i] for rep in reps]
+            row = {"turn": i + 1, "method": m}
+            for key in ("ttft_s", "decode_tok_s", "tokens_seen", "kv_MiB", "rss_MiB", "prefilled"):
+                values = [r[key] for r in at if key in r]
+                row[key] = round(statistics.median(values), 3) if values else ""
+            row["note"] = "; ".join(dict.fromkeys(r["note"] for r in at if r.get("note")))
+            rows.append(row)
+    return rows, settings
+
+
 def cmd_dialogue(args):
     model, tokenizer = load_model(args.model)
+    if args.llamacpp is not None:
+        turns = user_turns(args.turns_file, args.turns, cycle=True)
+        rows, settings = dialogue_vs_llamacpp(args, model, tokenizer, turns)
+        meta = {"command": args.command_line, "budget": args.budget, "new_tokens": args.new_tokens,
+                "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(model.dtype),
+                "llamacpp": settings}
+        write_results(args.out, "dialogue-llamacpp", rows, ["turn", "method", "ttft_s", "decode_tok_s", "tokens_seen",
+                                                            "prefilled", "kv_MiB", "note"], meta)
+        write_plot(args.out, "dialogue-llamacpp", rows, "turn", "decode_tok_s", "method", "decode tokens/s per turn")
+        return
     turns = user_turns(args.turns_file, args.turns)
     worker = kvpress_worker.worker_for(args.kvpress_python, model, "kvpress arm") if "kvpress" in args.methods else None
     transcripts = []  # (turn, history ids) for the kvpress arm, timed in its own process after the chat
@@ -491,6 +639,10 @@ def main(argv=None):
                    help="time the naive app and kvpress at turn 1 and every N turns (they re-read the whole history)")
     p.add_argument("--kvpress-python", default=None,
                    help=f"python of the kvpress venv (or ${kvpress_worker.ENV_VAR}); without one the kvpress arm is skipped")
+    p.add_argument("--llamacpp", nargs="?", const="", default=None, metavar="PYTHON",
+                   help="h2o against llama.cpp's server (xllamacpp, in its own venv: PYTHON, $"
+                        f"{llamacpp_worker.ENV_VAR} or {llamacpp_worker.DEFAULT_PYTHON}), interleaved turn by turn")
+    p.add_argument("--repeats", type=int, default=1, help="with --llamacpp: chats run, medians reported")
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=cmd_dialogue)
     p = sub.add_parser("decode", help="decode time per token vs tokens seen")
@@ -502,6 +654,13 @@ def main(argv=None):
                    help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached)")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
+    p = sub.add_parser("ops", help="aten ops and host syncs per decode token (profiler)")
+    p.add_argument("--seen", type=int, default=600)
+    p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["dynamic", "h2o", "full"])
+    p.set_defaults(run=cmd_ops)
     p = sub.add_parser("batch", help="the paper's batch throughput setting (CUDA)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="llama2-7b", choices=["llama2-7b", "tiny"])

@@ -23,7 +23,7 @@ import math
 import numbers
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from .policy import POLICIES, POSITIONS, SCORES, CacheConfig
 
@@ -184,11 +184,13 @@ class Conversation:
                    created=created, updated=updated, revision=revision,
                    forked_from=forked_from if isinstance(forked_from, str) else None)
 
-    def fork(self):
-        """A copy under a new id that has never been saved: where a writer that lost a revision
-        race keeps its text."""
-        return replace(self, id=new_id(), messages=[replace(m) for m in self.messages], revision=0,
-                       title=f"{self.display_title} (copy)", created=time.time(), forked_from=self.id)
+    def become_fork(self):
+        """Turn this copy into a new conversation that has never been saved (new id, revision 0),
+        in place: where a writer that lost a revision race keeps its text. Messages stay the
+        same objects, so a reply streaming into one goes on streaming into the fork."""
+        self.forked_from, self.id, self.revision = self.id, new_id(), 0
+        self.title, self.created = f"{self.display_title} (copy)", time.time()
+        return self
 
     def summary(self):
         return Summary(self.id, self.display_title, self.updated, len(self.messages))

@@ -160,7 +160,7 @@ class ChatSession:
         """Add a user message and stream the reply as text pieces."""
         message = Message("user", check_text(text))
         self._stop.clear()  # a Stop pressed from here on stops this reply, even before it starts
-        return self._exchange(message, drop_reply=False)
+        return self._exchange(message)
 
     def regenerate(self):
         """Drop the last reply and draw a new one from the same state. A last message that has
@@ -168,7 +168,7 @@ class ChatSession:
         if not self.messages:
             raise ValueError("there is no reply to regenerate")
         self._stop.clear()
-        return self._exchange(None, drop_reply=self.messages[-1].role == "assistant")
+        return self._exchange(None)
 
     def continue_reply(self):
         """Stream more of the last reply (it must be the assistant's)."""
@@ -177,20 +177,25 @@ class ChatSession:
         self._stop.clear()
         return self._continue()
 
-    def _exchange(self, message, drop_reply):
+    def _exchange(self, message):
+        """A new user message and its reply, or (message None) a new draw of the last reply."""
         self._begin()
         try:
+            self.last_turn = TurnStats()  # from here: the time to the first token includes reading the message
             messages = self.messages
-            dropped = messages.pop() if drop_reply else None
+            if message is None and not messages:
+                raise ValueError("there is no reply to regenerate")
+            dropped = messages.pop() if message is None and messages[-1].role == "assistant" else None
             if message is not None:
                 self.timeline.mark()  # what undo returns to
                 messages.append(message)
                 self.autosave()  # a crash from here on loses at most the reply
             try:
                 self._sync(add_generation_prompt=True)
-            except ValueError:  # the message could not even be read (out of memory): as if never sent
+            except ValueError as e:  # the message could not even be read (out of memory): as if never sent
                 if message is not None:
                     messages.pop()
+                    e.unsent = message.content  # for the UI to put back in the box
                 if dropped is not None:
                     messages.append(dropped)
                 raise
@@ -203,6 +208,7 @@ class ChatSession:
     def _continue(self):
         self._begin()
         try:
+            self.last_turn = TurnStats()
             self._sync(open_reply=True)
             self.timeline.mark()
             yield from self._stream(ban_stop_first=True)
@@ -212,7 +218,7 @@ class ChatSession:
     def _stream(self, ban_stop_first):
         message, turn, timeline = self.messages[-1], len(self.messages) - 1, self.timeline
         prefix, detok = message.content, Detokenizer(self.tokenizer, self.sampling.stop)
-        stats = self.last_turn = TurnStats()
+        stats = self.last_turn
         self._sampler.begin(timeline.fed, timeline.logits.numel())
         saved_at = time.perf_counter()
         try:
@@ -321,7 +327,10 @@ class ChatSession:
             self.conversation.settings, self.timeline = old, old_timeline
             raise
         if new.sampling != old.sampling:
-            self._sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
+            sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
+            if new.sampling.seed == old.sampling.seed:  # a seeded chat draws on from where it was
+                sampler.generator = self._sampler.generator
+            self._sampler = sampler
         self.autosave()
 
     def reset(self):
@@ -355,9 +364,8 @@ class ChatSession:
         try:
             store.write(self.data_dir, self.conversation)
         except store.StaleRevisionError as e:
-            fork = self.conversation.fork()
+            fork = self.conversation.become_fork()
             store.write(self.data_dir, fork)
-            self.conversation = fork
             self.notices.append(f"{e}. Your copy is saved as a new conversation, {fork.display_title!r} ({fork.id}).")
 
     def take_notices(self):

@@ -31,7 +31,9 @@ MAX_SNAPSHOTS = 4  # before the last two exchanges and their replies: undo, rege
 class GenerationError(ValueError):
     """The model could not run (out of memory). The session stays usable: a reply that was
     streaming keeps what it had shown, the cache is back at a state it has fully seen, and a
-    message that never got a reply is taken back."""
+    message that never got a reply is taken back (its text is in `unsent`)."""
+
+    unsent = None
 
 
 OUT_OF_MEMORY = ("out of memory: the model could not run. The reply stops here; lower the cache budget "

@@ -206,9 +206,12 @@ def test_out_of_memory_before_the_reply_takes_the_message_back(tiny_chat, tmp_pa
     "".join(session.send("Hello there"))
     before, fed = session.history, list(session._fed)
     oom.at_call(1)  # reading the new message fails
-    with pytest.raises(GenerationError, match="out of memory"):
-        session.send("A long paste " * 30)
-    assert session.history == before and session._fed == fed  # as if never sent (the UI keeps the text)
+    stream = session.send("A long paste " * 30)  # checked at once; read by the model when iterated
+    with pytest.raises(GenerationError, match="out of memory") as failed:
+        next(stream)
+    assert session.history == before and session._fed == fed  # as if never sent
+    assert failed.value.unsent == "A long paste " * 30  # the text, for the UI to give back
+    assert not session.busy
     assert [m["content"] for m in store.load(tmp_path, session.id)["messages"]] == [m["content"] for m in before]
     history = session.history + [{"role": "user", "content": "Short one"}]
     assert "".join(session.send("Short one")) == greedy_reply(model, tok, history, 8)

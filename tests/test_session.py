@@ -5,14 +5,17 @@ import copy
 import json
 import random
 import threading
+import time
 import tracemalloc
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from h2o_chat import ChatSession, store
+from h2o_chat import ChatSession, Settings, store
+from h2o_chat import timeline as timeline_mod
 from h2o_chat.ledger import Ledger
+from tests.live import never_ending
 
 USER_TURNS = ["Hello there!", "Tell me a story about a lighthouse.", "Make it shorter.", "Who is the hero?", "Thanks."]
 NO_EVICTION = dict(policy="h2o", budget=4096, n_sink=4, n_recent=64)
@@ -296,3 +299,218 @@ def test_ledger_retention_read_from_another_thread_while_streaming(tiny_chat, sc
         done.set()
         reader.join()
     assert errors == [] and reads[0] > 10
+
+
+# ---------------------------------------------------------------------------------------------
+# One conversation, one source of truth: pins through every replay, lazy replies, two writers
+
+CHARACTER_SHEET = ("Character sheet. Name: Ada Lovelace Brightwater. Age: 34. Home: the lighthouse on Gull Rock, "
+                   "north of Port Ellery. Trade: keeper and amateur astronomer. Fears: deep water and silence. "
+                   "Wants: to find her brother Tom, lost at sea.")
+STORY_TURNS = ["Start the story on a stormy night.", "What does Ada see from the lamp room?",
+               "A boat appears. Who is in it?", "Continue the story."]
+
+
+def assert_pin_whole(session, n_tokens):
+    """The pinned message's every token is in every layer and KV head, and the cache's pins say so."""
+    ((start, end),) = session.cache.pins
+    assert end - start == n_tokens
+    cache = session.cache
+    for layer in range(len(cache.layers)):
+        ids = cache.token_ids(layer)[0]
+        for head in range(ids.shape[0]):
+            missing = set(range(start, end)) - set(ids[head].tolist())
+            assert not missing, f"layer {layer} head {head} lost {len(missing)} of {end - start} pinned tokens"
+
+
+def test_a_pin_survives_every_replay_on_the_embedded_model(embedded_model, tmp_path):
+    # the budget leaves about 15 slots for heavy hitters next to the pin (the sheet and its template
+    # head): without its protection from the first token fed, it would lose most of them in a replay
+    model, tok = embedded_model
+    cache = dict(policy="h2o", budget=120, n_sink=4, n_recent=16, prefill_chunk=32)
+    session = ChatSession(model, tok, cache=cache, temperature=0, max_new_tokens=16, data_dir=tmp_path)
+    "".join(session.send(CHARACTER_SHEET))
+    session.pin(0)
+    ((start, end),) = session.cache.pins
+    n_pinned = end - start
+    assert n_pinned > 60
+    chat(session, STORY_TURNS[:3])
+    assert session.stats["tokens_seen"] > 120 + 40  # well past the budget: eviction is at work
+    assert_pin_whole(session, n_pinned)
+
+    session.configure(cache=dict(cache, budget=112))  # a cache change: replayed through a fresh cache
+    assert session.stats["slots_used"] == 112
+    assert_pin_whole(session, n_pinned)
+    session.edit(4, "A small rowing boat appears. Who rows it?")  # an edit of a later message
+    assert_pin_whole(session, n_pinned)
+    "".join(session.regenerate())
+    assert_pin_whole(session, n_pinned)
+    session.undo()
+    assert_pin_whole(session, n_pinned)
+    "".join(session.send(STORY_TURNS[3]))
+    assert_pin_whole(session, n_pinned)
+    restored = ChatSession.open(model, tok, session.id, tmp_path)  # a restore (or a reload) replays it
+    assert restored.messages[0].pinned and restored._fed == session._fed
+    assert_pin_whole(restored, n_pinned)
+
+
+def test_pins_are_in_place_before_their_tokens_are_fed(tiny_chat, tmp_path, monkeypatch):
+    # the tiny model's version: the pin is read off the cache while the replay feeds each chunk
+    model, tok = tiny_chat
+    cache = dict(policy="h2o", budget=40, n_sink=2, n_recent=8, prefill_chunk=4)
+    session = ChatSession(model, tok, cache=cache, temperature=0, max_new_tokens=8, data_dir=tmp_path)
+    "".join(session.send("Ada is the hero here."))
+    session.pin(0)
+    pins = list(session.cache.pins)
+    chat(session, USER_TURNS[:3])
+    made, seen, original = [], [], timeline_mod.H2OCache
+
+    def remember(*args, **kwargs):  # the restored session's cache, to read while it is replayed
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(timeline_mod, "H2OCache", remember)
+    restored = ChatSession.open(model, tok, session.id, tmp_path,
+                                on_progress=lambda done, total: seen.append(list(made[-1].pins)))
+    assert seen and all(p == pins for p in seen)  # from the first chunk on
+    for layer in range(2):
+        for head in range(2):
+            assert set(range(*pins[0])) <= set(restored.cache.token_ids(layer)[0, head].tolist())
+
+
+def test_a_pin_that_does_not_fit_a_new_budget_is_refused_and_changes_nothing(tiny_chat):
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=64, n_sink=2, n_recent=8),
+                          temperature=0, max_new_tokens=6)
+    "".join(session.send("A rather long first message that we pin."))
+    session.pin(0)
+    before = (session.cache_config, list(session.cache.pins), session._fed, session.cache)
+    with pytest.raises(ValueError, match="exceed the budget"):
+        session.configure(cache=dict(policy="h2o", budget=24, n_sink=2, n_recent=8))
+    assert (session.cache_config, list(session.cache.pins), session._fed, session.cache) == before
+    with pytest.raises(ValueError, match="exceed the budget"):
+        session.edit(0, "A first message that has grown far too long to be pinned in a budget of 64 slots.")
+    assert session.messages[0].content == "A rather long first message that we pin."
+    assert session.cache.pins == before[1]
+
+
+def test_restore_brings_back_exactly_the_saved_settings(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="sink", budget=40, n_sink=3, n_recent=20, score="mean",
+                                                 decay=0.8, positions="absolute", prefill_chunk=16),
+                          system_prompt="Be brief.", temperature=0.3, top_p=0.8, top_k=7, repetition_penalty=1.1,
+                          max_new_tokens=5, seed=9, stop=["zz"], data_dir=tmp_path)
+    chat(session, USER_TURNS[:2])
+    session.configure(max_new_tokens=7, temperature=0.4)  # changed after the first save
+    restored = ChatSession.open(model, tok, session.id, tmp_path)
+    assert restored.settings == session.settings != Settings()
+    assert restored.cache.config == session.cache_config and restored._sampler.sampling == session.sampling
+    assert restored.history == session.history and restored._fed == session._fed
+
+
+def test_a_send_never_iterated_changes_nothing_and_leaves_the_session_free(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12),
+                          temperature=0, max_new_tokens=6, data_dir=tmp_path)
+    "".join(session.send("hi"))
+    before = (session.history, session._fed, store.load(tmp_path, session.id)["messages"])
+    streams = [session.send("never read"), session.regenerate(), session.continue_reply()]
+    assert (session.history, session._fed, store.load(tmp_path, session.id)["messages"]) == before
+    assert not session.busy
+    session.edit(0, "hello")  # every action still works
+    session.pin(0)
+    assert "".join(session.send("and now?")) and session.history[-2]["content"] == "and now?"
+    del streams
+
+
+def test_a_reply_abandoned_midway_keeps_what_it_streamed_and_frees_the_session(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    never_ending(model, tok)
+    session = ChatSession(model, tok, temperature=0, max_new_tokens=50, data_dir=tmp_path)
+    stream = session.send("Tell me a story")
+    first = next(stream) + next(stream)
+    assert session.busy
+    for action in (lambda: session.edit(0, "x"), session.undo, lambda: session.configure(top_p=0.5),
+                   lambda: "".join(session.send("second"))):
+        with pytest.raises(ValueError, match="a reply is being written"):
+            action()
+    stream.close()  # the client went away
+    assert not session.busy and session.history[-1] == {"role": "assistant", "content": first}
+    assert store.load(tmp_path, session.id)["messages"][-1]["content"] == first
+    assert "".join(session.send("Go on"))
+
+
+def test_stats_are_the_streaming_reply_s_own(tiny_chat):
+    model, tok = tiny_chat
+    never_ending(model, tok)
+    session = ChatSession(model, tok, temperature=0, max_new_tokens=20)
+    "".join(session.send("First"))
+    previous = session.last_turn
+    for i, _ in enumerate(session.send("Second")):
+        assert session.last_turn is not previous and session.last_turn.new_tokens == i + 1  # one token a piece
+        if i == 5:
+            live = session.stats
+            assert live["ttft_s"] > 0 and live["tokens_per_s"] > 0
+            assert live["tokens_seen"] == len(session.ledger)
+    assert session.last_turn.new_tokens == 20
+
+
+def test_two_sessions_on_one_saved_conversation_lose_nothing(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    a = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12),
+                    temperature=0, max_new_tokens=6, data_dir=tmp_path)
+    "".join(a.send("first"))
+    b = ChatSession.open(model, tok, a.id, tmp_path)  # a second tab on the same saved conversation
+    c = ChatSession.open(model, tok, a.id, tmp_path)  # and a third
+    "".join(a.send("from A"))
+    "".join(b.send("from B"))
+    stream_a, stream_c = a.send("A again"), c.send("from C")
+    next(stream_a), next(stream_c)  # both streaming at once
+    "".join(stream_c), "".join(stream_a)
+    sent = {"first", "from A", "from B", "A again", "from C"}
+    on_disk = [store.read(tmp_path, i) for i in store.list_ids(tmp_path)]
+    assert sent <= {m.content for conv in on_disk for m in conv.messages if m.role == "user"}
+    assert store.read(tmp_path, a.id).messages == a.messages  # the first writer's file is its own
+    for late in (b, c):  # each late writer was told, and works on from its fork
+        assert late.id != a.id and late.conversation.forked_from == a.id
+        assert late.take_notices()[0].startswith(f"conversation {a.id!r} was changed elsewhere")
+        assert store.read(tmp_path, late.id).messages == late.messages
+    "".join(b.send("B again"))
+    assert store.read(tmp_path, b.id).messages[-2].content == "B again" and not b.notices
+
+
+@pytest.mark.parametrize("action, match", [
+    pytest.param(lambda s: s.edit(None, "x"), "no message None", id="edit-none"),
+    pytest.param(lambda s: s.edit(1.0, "x"), "no message 1.0", id="edit-float"),
+    pytest.param(lambda s: s.edit(True, "x"), "no message True", id="edit-bool"),
+    pytest.param(lambda s: s.edit(0, ""), "is empty", id="edit-empty"),
+    pytest.param(lambda s: s.pin(None), "no message None", id="pin-none"),
+    pytest.param(lambda s: s.pin("1"), "no message '1'", id="pin-text"),
+    pytest.param(lambda s: s.pin(7), "no message 7", id="pin-out-of-range"),
+    pytest.param(lambda s: s.pin(0, pinned="yes"), "pinned must be True or False", id="pin-flag-text"),
+    pytest.param(lambda s: s.configure(cache=dict(budget=4, n_sink=2, n_recent=8)), "exceeds the budget",
+                 id="impossible-budget"),
+])
+def test_odd_values_are_refused_with_a_sentence_and_change_nothing(tiny_chat, tmp_path, action, match):
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12),
+                          temperature=0, max_new_tokens=6, data_dir=tmp_path)
+    "".join(session.send("hi"))
+    before = (session.history, [m.pinned for m in session.messages], session._fed, session.settings,
+              store.load(tmp_path, session.id))
+    with pytest.raises(ValueError, match=match):
+        action(session)
+    assert (session.history, [m.pinned for m in session.messages], session._fed, session.settings,
+            store.load(tmp_path, session.id)) == before
+
+
+def test_the_time_to_first_token_includes_reading_the_message(tiny_chat):
+    model, tok = tiny_chat
+    never_ending(model, tok)
+    session = ChatSession(model, tok, cache=dict(NO_EVICTION, prefill_chunk=8), temperature=0, max_new_tokens=4)
+    progress = []
+    session.on_progress = lambda done, total: progress.append(time.perf_counter())
+    started = time.perf_counter()
+    "".join(session.send("A long message to read. " * 12))
+    assert len(progress) > 20  # read in chunks of 8
+    assert session.stats["ttft_s"] >= progress[-1] - started - 0.001 > 0
