@@ -120,7 +120,7 @@ def write_plot(out, name, rows, x, y, series, title, logy=False):
 def cmd_decode(args):
     """Each method prefills once per length; then timed windows of decode steps alternate between
     the methods, so machine noise hits them alike. The median window is reported."""
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     text = text_tokens(tokenizer, args.text, max(args.seen))
     rows = []
     for seen in tqdm(args.seen, desc="tokens seen"):
@@ -143,7 +143,7 @@ def cmd_decode(args):
                          "kv_MiB": round(kv_bytes(caches[m]) / 2**20, 2)})
             print(rows[-1], flush=True)
         del caches
-    meta = {"command": args.command_line, "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget, "dtype": str(model.dtype),
             "steps": args.steps, "repeats": args.repeats, "threads": torch.get_num_threads()}
     write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
                                              "kv_MiB"], meta)
@@ -652,6 +652,7 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--methods", type=lambda s: s.split(","), default=["full", "h2o"],
                    help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached)")
+    p.add_argument("--dtype", default="auto")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
     p = sub.add_parser("ops", help="aten ops and host syncs per decode token (profiler)")
