@@ -11,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 
 from . import ui_chat, ui_panel, ui_settings
-from .ui_state import BROWSER_KEY, App, chat_view, new_view, tell, warn
+from .ui_state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
