@@ -9,7 +9,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a private app phon
 
 
 def parse_args(argv=None):
-    from h2o_chat.policy import POLICIES, POSITIONS, SCORES
+    from h2o_chat.conversation import CHOICES  # what the session layer offers
 
     p = argparse.ArgumentParser(description="A local chat whose KV cache is managed by H2O (Heavy-Hitter Oracle).")
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -17,12 +17,12 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also make a public Gradio share link (off by default)")
     p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login for the UI and its API")
-    p.add_argument("--policy", default="h2o", choices=POLICIES, help="cache policy (default h2o)")
+    p.add_argument("--policy", default="h2o", choices=CHOICES["policy"], help="cache policy (default h2o)")
     p.add_argument("--budget", type=int, default=512, help="KV slots per layer and head (default 512)")
     p.add_argument("--n-recent", type=int, default=None, help="recent-window slots (default: half of what sinks leave)")
     p.add_argument("--n-sink", type=int, default=4, help="first tokens always kept (default 4)")
-    p.add_argument("--score", default="sum", choices=SCORES, help="heavy-hitter score (default sum)")
-    p.add_argument("--positions", default="rolling", choices=POSITIONS, help="RoPE positions (default rolling)")
+    p.add_argument("--score", default="sum", choices=CHOICES["score"], help="heavy-hitter score (default sum)")
+    p.add_argument("--positions", default="rolling", choices=CHOICES["positions"], help="RoPE positions (default rolling)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit weights (CUDA)")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit weights (CUDA)")
@@ -37,7 +37,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     from h2o_chat import CacheConfig, ModelLoadError, load_model
-    from h2o_chat.ui import CSS, build
+    from h2o_chat.ui import CSS, HEAD, build
 
     cache = dict(policy=args.policy, budget=args.budget, n_recent=args.n_recent, n_sink=args.n_sink,
                  score=args.score, positions=args.positions)
@@ -62,7 +62,7 @@ def main(argv=None):
     demo.queue(default_concurrency_limit=args.concurrency)
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS,
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
                 show_error=True, ssr_mode=False)
 
 

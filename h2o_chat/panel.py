@@ -1,24 +1,75 @@
-"""Ledger -> what the UI shows: the token map (HTML), the legend, stats and chart rows.
+"""Ledger -> what the UI shows: the token map (HTML), the retention map (a PNG), the legend,
+stats and chart rows.
 
 Everything here is plain Python data and strings; the UI never sees a tensor. Colours are from
 the Okabe-Ito palette (distinguishable with the common colour-vision deficiencies), and every
 status also differs in shape (border, underline, strike-through), not in hue alone.
+
+A view is chosen by (layer, head): (None, None) is every layer and KV head, (layer, None) every
+KV head of one layer, (layer, head) exactly one head's slots. The token map, the counts and the
+heavy-hitter table all read the same view.
 """
 
+import base64
 import html
+import io
 
-# status -> (colour, CSS class); strength (the share of (layer, head) pairs keeping the token) sets opacity
+import torch
+from PIL import Image
+
+# status -> colour; strength (the share of the view's heads keeping the token) sets opacity
 COLORS = {"sink": "#CC79A7", "pinned": "#009E73", "heavy": "#E69F00", "kept": "#F0E442",
           "recent": "#56B4E9", "evicted": "#999999"}
-LEGEND = ("H2O keeps, in every layer and attention head, the few tokens that have drawn the most "
-          "attention (heavy hitters) plus the newest ones, and evicts the rest: memory stays bounded "
-          "however long the chat runs.")
+SHOWN = ("sink", "pinned", "heavy", "recent", "kept", "evicted")
+# what each policy keeps, in the words the legend uses; every sentence fits its policy
+POLICY_TEXT = {
+    "h2o": ("H2O keeps, in every layer and KV head, the first tokens (sinks), the newest ones (recent) and "
+            "the few that have drawn the most attention (heavy hitters), and evicts the rest: memory stays "
+            "bounded however long the chat runs."),
+    "sink": ("StreamingLLM (sink) keeps the first tokens (sinks) and the newest ones (recent) and evicts "
+             "everything in between: memory stays bounded however long the chat runs."),
+    "window": ("A sliding window keeps only the newest tokens (recent) and evicts the rest: memory stays "
+               "bounded however long the chat runs."),
+    "full": "A full cache keeps every token: nothing is evicted and memory grows with the chat.",
+}
+STATUS_TEXT = {"sink": "first tokens, always kept", "pinned": "a pinned message, never evicted",
+               "heavy": "kept for its attention score", "recent": "the newest tokens",
+               "kept": "held, not (yet) for its score", "evicted": "no longer in the view's cache"}
 FOLD_RUN = 24  # evicted runs longer than this are folded to their ends
 FOLD_KEEP = 6
+MAP_COLUMNS = 600  # the retention map bins longer chats into this many columns
+MAP_ROW_PX = 6
 
 
 def _hex_to_rgb(color):
     return tuple(int(color[i : i + 2], 16) for i in (1, 3, 5))
+
+
+def view_of(retention, layer=None, head=None):
+    """The (layer, head) pairs a view covers: kept and score as [pairs, tokens]."""
+    kept, score = retention["kept"], retention["score"]
+    if layer is not None:
+        kept, score = kept[layer : layer + 1], score[layer : layer + 1]
+        if head is not None:
+            kept, score = kept[:, head : head + 1], score[:, head : head + 1]
+    return kept.flatten(0, 1), score.flatten(0, 1)
+
+
+def token_statuses(retention, layer=None, head=None):
+    """Per token (status, strength). One head: its exact set (strength 1). Several heads: a
+    token kept by fewer than half of them shows as "kept" (a few heads hold it), so the heavy
+    hitters most heads agree on stand out instead of the union over every head."""
+    kept, _ = view_of(retention, layer, head)
+    share = kept.float().mean(dim=0).tolist()
+    out = []
+    for status, s in zip(retention["status"], share):
+        if s == 0:
+            out.append(("evicted", 0.0))
+        elif status == "heavy" and s < 0.5:
+            out.append(("kept", s))
+        else:
+            out.append((status if status != "evicted" else "kept", s))
+    return out
 
 
 def _span(index, piece, status, strength, title):
@@ -29,103 +80,176 @@ def _span(index, piece, status, strength, title):
             f'title="{html.escape(title)}">{text}</span>')
 
 
-def token_statuses(retention, layer=None, head=None):
-    """Per token (status, strength): the summary over all (layer, head) pairs, or one head's
-    exact set when layer and head are given."""
-    status, fraction = retention["status"], retention["fraction"].tolist()
-    if layer is None or head is None:
-        return list(zip(status, fraction))
-    kept = retention["kept"][layer, head].tolist()
-    return [(s if k else "evicted", 1.0 if k else 0.0) for s, k in zip(status, kept)]
+def caption(layer=None, head=None, n_layers=None, n_heads=None):
+    if layer is None:
+        return "All layers and KV heads: a token's strength is the share of heads that keep it."
+    if head is None:
+        return f"Layer {layer}, all {n_heads or ''} KV heads: a token's strength is the share of this layer's heads that keep it."
+    return f"Layer {layer}, KV head {head}: exactly the tokens this head keeps."
 
 
 def token_map(ledger, retention, layer=None, head=None):
-    """The conversation's tokens in order, coloured by status; long evicted runs folded."""
+    """The conversation's tokens in order, coloured by status in the chosen view; long evicted
+    runs folded. Draws the tokens the retention was read for (the ledger may have grown since:
+    a reply streaming in another thread while a tab re-renders its panel)."""
     statuses = token_statuses(retention, layer, head)
-    n_pairs = retention["kept"].shape[0] * retention["kept"].shape[1]
-    kept_by = retention["kept"].sum(dim=(0, 1)).tolist()
-    score = retention["score"].sum(dim=(0, 1)) / retention["kept"].sum(dim=(0, 1)).clamp(min=1)
-    score = score.tolist()
-    # the tokens the retention was read for: the ledger may have grown since (a reply streaming
-    # in another thread while a tab re-renders its panel)
+    kept, score = view_of(retention, layer, head)
+    n_pairs = kept.shape[0]
+    kept_by = kept.sum(dim=0)
+    mean_score = (score.sum(dim=0) / kept_by.clamp(min=1)).tolist()
+    kept_by = kept_by.tolist()
     parts, i, n = [], 0, len(statuses)
     while i < n:
-        if statuses[i][0] == "evicted":
-            j = i
-            while j < n and statuses[j][0] == "evicted":
-                j += 1
-            if j - i > FOLD_RUN:
-                for t in list(range(i, i + FOLD_KEEP)) + [None] + list(range(j - FOLD_KEEP, j)):
-                    if t is None:
-                        hidden = j - i - 2 * FOLD_KEEP
-                        parts.append(f'<span class="fold" title="tokens {i + FOLD_KEEP}-{j - FOLD_KEEP - 1}">'
-                                     f' ⋯ {hidden:,} evicted tokens ⋯ </span>')
-                    else:
-                        parts.append(_token(ledger, t, statuses[t], kept_by[t], n_pairs, score[t]))
-                i = j
-                continue
-        parts.append(_token(ledger, i, statuses[i], kept_by[i], n_pairs, score[i]))
+        j = i
+        while j < n and statuses[j][0] == "evicted":
+            j += 1
+        if j - i > FOLD_RUN:
+            hidden = j - i - 2 * FOLD_KEEP
+            parts += [_token(ledger, t, statuses[t], kept_by[t], n_pairs, mean_score[t]) for t in range(i, i + FOLD_KEEP)]
+            parts.append(f'<span class="fold" title="tokens {i + FOLD_KEEP}-{j - FOLD_KEEP - 1}">'
+                         f' ⋯ {hidden:,} evicted tokens ⋯ </span>')
+            parts += [_token(ledger, t, statuses[t], kept_by[t], n_pairs, mean_score[t]) for t in range(j - FOLD_KEEP, j)]
+            i = j
+            continue
+        parts.append(_token(ledger, i, statuses[i], kept_by[i], n_pairs, mean_score[i]))
         i += 1
-    if layer is None or head is None:
-        caption = "All layers and KV heads: a token's strength is the share of heads that keep it."
-    else:
-        caption = f"Layer {layer}, KV head {head}: exactly the tokens this head keeps."
-    return f'<p class="map-caption">{caption}</p><div class="token-map">' + "".join(parts) + "</div>"
+    n_heads = retention["kept"].shape[1]
+    return (f'<p class="map-caption">{caption(layer, head, n_heads=n_heads)}</p>'
+            f'<div class="token-map">{"".join(parts)}</div>')
 
 
 def _token(ledger, t, status_strength, kept_by, n_pairs, score):
-    status, strength = status_strength
+    status, _ = status_strength
     title = (f"token {t} · turn {ledger.turns[t]} · {ledger.roles[t]} · {status} · "
              f"kept by {int(kept_by)}/{n_pairs} heads · score {score:.3g}")
-    return _span(t, ledger.pieces[t], status, strength, title)
+    return _span(t, ledger.pieces[t], status, status_strength[1], title)
 
 
-def legend_html():
-    items = "".join(f'<span class="tok st-{s}" style="background:{COLORS[s]}55">{s}</span> '
-                    for s in ("sink", "pinned", "heavy", "recent", "kept", "evicted"))
-    return f'<div class="legend"><p>{html.escape(LEGEND)}</p>{items}</div>'
+def shown_statuses(policy):
+    """The statuses a policy can show: no "heavy" without scores, no "sink" in a window."""
+    return {"h2o": SHOWN, "sink": ("sink", "pinned", "recent", "kept", "evicted"),
+            "window": ("pinned", "recent", "kept", "evicted"), "full": ("sink", "pinned", "kept")}.get(policy, SHOWN)
 
 
-def top_heavy(ledger, retention, k=10):
-    """The k tokens with the highest mean score over the heads that keep them (outside sinks
-    and the recent window): rows for a table."""
-    kept = retention["kept"].sum(dim=(0, 1))
-    mean_score = retention["score"].sum(dim=(0, 1)) / kept.clamp(min=1)
-    candidates = [t for t, s in enumerate(retention["status"]) if s in ("heavy", "kept", "pinned")]
+def legend_html(policy="h2o"):
+    items = "".join(f'<span class="tok st-{s}" style="background:{COLORS[s]}55" title="{STATUS_TEXT[s]}">{s}</span> '
+                    for s in shown_statuses(policy))
+    return f'<div class="legend"><p>{html.escape(POLICY_TEXT.get(policy, POLICY_TEXT["h2o"]))}</p>{items}</div>'
+
+
+def retention_png(retention, columns=MAP_COLUMNS):
+    """The layers x token-position map as PNG bytes: row = layer (0 at the top), column = token
+    (binned to `columns` when longer), darkness = the share of that layer's KV heads keeping it.
+    Sinks show as a solid column at the left, the recent window as a solid band at the right,
+    heavy hitters as sparse stripes in between."""
+    share = retention["kept"].float().mean(dim=1)  # [layers, tokens]
+    n_layers, n = share.shape
+    if n > columns:  # mean over equal bins of tokens: a bin's darkness is its tokens' average share
+        edges = torch.linspace(0, n, columns + 1).round().long()
+        sums = torch.nn.functional.pad(share.cumsum(dim=1), (1, 0))
+        share = (sums[:, edges[1:]] - sums[:, edges[:-1]]) / (edges[1:] - edges[:-1]).clamp(min=1)
+    ink = torch.tensor(_hex_to_rgb("#0072B2"), dtype=torch.float32)
+    rgb = 255 - share[..., None] * (255 - ink)  # white (evicted everywhere) -> blue (kept by every head)
+    rgb = rgb.repeat_interleave(MAP_ROW_PX, dim=0).round().to(torch.uint8)
+    image = Image.frombytes("RGB", (rgb.shape[1], rgb.shape[0]), rgb.contiguous().numpy().tobytes())
+    out = io.BytesIO()
+    image.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+def retention_map_html(retention, layer=None):
+    """The retention map with its axes named; the chosen layer is marked."""
+    n_layers, _, n = retention["kept"].shape
+    data = base64.b64encode(retention_png(retention)).decode()
+    mark = ""
+    if layer is not None:
+        top = 100 * layer / n_layers
+        mark = f'<div class="rmap-mark" style="top:{top:.2f}%;height:{100 / n_layers:.2f}%"></div>'
+    return (f'<div class="rmap"><p class="map-caption">Share of KV heads keeping each token, by layer '
+            f'(white: none, blue: all)</p><div class="rmap-body"><span class="rmap-y">layer 0 → {n_layers - 1}</span>'
+            f'<div class="rmap-img"><img alt="retention map: layers by token position" src="data:image/png;base64,{data}">'
+            f'{mark}</div></div><p class="rmap-x">token position 0 → {max(n - 1, 0):,}</p></div>')
+
+
+def top_heavy(ledger, retention, layer=None, head=None, k=10):
+    """The k tokens with the highest mean score over the view's heads that keep them (outside
+    sinks and the recent window): rows for a table."""
+    kept, score = view_of(retention, layer, head)
+    kept_by = kept.sum(dim=0)
+    mean_score = score.sum(dim=0) / kept_by.clamp(min=1)
+    candidates = [t for t, s in enumerate(retention["status"]) if s in ("heavy", "kept", "pinned") and kept_by[t]]
     candidates.sort(key=lambda t: float(mean_score[t]), reverse=True)
     visible = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥"})
-    return [{"token": ledger.pieces[t].translate(visible), "index": t, "turn": ledger.turns[t], "score": round(float(mean_score[t]), 3),
-             "heads": int(kept[t])} for t in candidates[:k]]
+    return [{"token": ledger.pieces[t].translate(visible), "index": t, "turn": ledger.turns[t],
+             "score": round(float(mean_score[t]), 3), "heads": f"{int(kept_by[t])}/{kept.shape[0]}"}
+            for t in candidates[:k]]
 
 
-def memory_rows(turn_stats):
-    """Chart rows per point (after each reply, and now): slots used and KV MiB (H2O vs a full
-    cache) against tokens seen."""
-    rows, seen = [], set()
-    for s in turn_stats:
-        if s["tokens_seen"] in seen:  # "now" when no reply has run since the last point
+SERIES = ("this cache", "a full cache")
+
+
+def memory_rows(points):
+    """Chart rows per point (after each reply, and now): slots per head and KV MiB for this
+    cache and for a full cache, against tokens seen. Points whose token count is not above the
+    one before it come from before an undo or a replay and are dropped (no false falling line).
+    Both lines start at the origin (no tokens, no memory: true of every cache), so even the
+    first reply draws a line rather than a lone point."""
+    rows, last = [], 0
+    if points:
+        rows += [{"tokens seen": 0, "cache": name, "KV MiB": 0.0, "slots per head": 0} for name in SERIES]
+    for s in points:
+        if s["tokens_seen"] <= last:
             continue
-        seen.add(s["tokens_seen"])
-        rows.append({"tokens_seen": s["tokens_seen"], "series": "H2O cache", "kv_MiB": s["kv_bytes"] / 2**20,
-                     "slots": s["slots_used"]})
-        rows.append({"tokens_seen": s["tokens_seen"], "series": "full cache", "kv_MiB": s["full_kv_bytes"] / 2**20,
-                     "slots": s["tokens_seen"]})
+        last = s["tokens_seen"]
+        rows.append({"tokens seen": s["tokens_seen"], "cache": SERIES[0], "KV MiB": round(s["kv_bytes"] / 2**20, 3),
+                     "slots per head": s["slots_used"]})
+        rows.append({"tokens seen": s["tokens_seen"], "cache": SERIES[1],
+                     "KV MiB": round(s["full_kv_bytes"] / 2**20, 3), "slots per head": s["tokens_seen"]})
     return rows
 
 
-def stats_markdown(stats, retention):
-    counts = {s: retention["status"].count(s) for s in ("sink", "pinned", "heavy", "kept", "recent", "evicted")}
-    kept = ", ".join(f"{n:,} {s}" for s, n in counts.items() if n)
+def chart_limits(rows, column):
+    """Axis ranges that start at 0 and leave room above the largest value, so one point shows
+    as a point on a readable scale instead of raw ticks around it."""
+    top = max((r[column] for r in rows), default=0)
+    return [0, top * 1.15 if top > 0 else 1]
+
+
+def counts(retention, layer=None, head=None):
+    """How many tokens of each status the view shows."""
+    found = {}
+    for status, _ in token_statuses(retention, layer, head):
+        found[status] = found.get(status, 0) + 1
+    return found
+
+
+def seconds(s):
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def stats_markdown(stats, retention, layer=None, head=None, live=None):
+    """The stats line. live: (ttft_s, tokens_per_s) of the reply streaming now, shown instead
+    of the last finished turn's."""
+    found = counts(retention, layer, head)
+    kept = ", ".join(f"{found[s]:,} {s}" for s in SHOWN if found.get(s))
     saved = 1 - stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
+    ttft, speed = live if live is not None else (stats["ttft_s"], stats["tokens_per_s"])
+    timing = ("TTFT … · waiting for the first token" if ttft is None else
+              f"TTFT {seconds(ttft)} · {speed:.1f} tokens/s" if speed is not None else f"TTFT {seconds(ttft)}")
+    where = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", head {head}")
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** (a full cache: {stats['full_kv_bytes'] / 2**20:.1f} MiB, "
-            f"{saved:.0%} saved) · TTFT {stats['ttft_s']:.2f} s · {stats['tokens_per_s']:.1f} tokens/s\n\n{kept}")
+            f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
 
 
-def render(session, layer=None, head=None):
-    """Everything the panel shows for a session, as strings and plain rows (no tensors)."""
+def render(session, layer=None, head=None, live=None):
+    """Everything the panel shows for a session, as strings and plain rows (no tensors).
+    The charts plot the session's points (it starts them again after a replay) and now."""
     retention = session.ledger.retention(session.cache)
+    points = session.turn_stats + [session.stats]  # the live point moves as a reply streams
     return {"token_map": token_map(session.ledger, retention, layer, head),
-            "stats": stats_markdown(session.stats, retention),
-            "memory": memory_rows(session.turn_stats + [session.stats]),  # the live point moves as a reply streams
-            "heavy": top_heavy(session.ledger, retention)}
+            "retention_map": retention_map_html(retention, layer),
+            "stats": stats_markdown(session.stats, retention, layer, head, live),
+            "memory": memory_rows(points),
+            "heavy": top_heavy(session.ledger, retention, layer, head),
+            "legend": legend_html(session.cache_config.policy)}

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from h2o_chat.ui import CSS, build
+from h2o_chat.ui import CSS, HEAD, build
 from tests.conftest import make_tiny_chat
 
 
@@ -17,17 +17,18 @@ def free_port():
 
 
 @contextmanager
-def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, **chat_defaults):
-    """The app as `app.py` launches it (show_error on), on a free port; yields (url, demo)."""
+def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, port=None, **chat_defaults):
+    """The app as `app.py` launches it (show_error on, ssr off), on a free port (or `port`);
+    yields (url, demo)."""
     if model is None:
         model, tokenizer = make_tiny_chat()
     defaults = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
     cache = dict(defaults, **(cache or {}))
     demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults)
     demo.queue(default_concurrency_limit=concurrency)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True,
-                show_error=True)
+    port = port or free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, head=HEAD, quiet=True,
+                show_error=True, ssr_mode=False)
     try:
         yield f"http://127.0.0.1:{port}/", demo
     finally:
@@ -72,3 +73,30 @@ def save_tiny_chat(folder, never_ends=False):
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+STREAMED = ("conversation_id", "chat", "saved", "legend", "token_map", "retention_map", "stats", "memory", "slots",
+            "heavy")
+FIELDS = ("system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
+          "score", "positions")
+
+
+def shown(result):
+    """A route's outputs by name: /send's start with the message box, the conversation-level
+    routes (new chat, restore, apply) end with every settings field."""
+    result = list(result)
+    names = (("box",) if len(result) == len(STREAMED) + 1 else ()) + STREAMED + (
+        FIELDS if len(result) == len(STREAMED) + len(FIELDS) else ())
+    assert len(names) == len(result), (len(names), len(result))
+    return dict(zip(names, result))
+
+
+def deadline(seconds):
+    """A wait's end: `for _ in deadline(5): if done(): break` (fails the test when it runs out)."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        yield
+        time.sleep(0.01)
+    raise AssertionError(f"gave up waiting after {seconds} s")

@@ -1,70 +1,59 @@
 """The Gradio app, driven through its API with gradio_client: a tiny model, a real server on
-127.0.0.1, one session per client."""
+127.0.0.1, one session per client. Sampling is greedy or seeded; every wait has a deadline."""
 
 import json
-import socket
 import threading
-import time
 
 import pytest
 from gradio_client import Client
 
-from h2o_chat.ui import CSS, build
-from tests.conftest import make_tiny_chat
-
-CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.live import deadline, live_app, shown, text_of, texts, warnings_of
 
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    model, tok = make_tiny_chat()
-    demo = build(model, tok, CACHE, str(tmp_path_factory.mktemp("data")), concurrency=2)
-    demo.queue(default_concurrency_limit=2)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+    with live_app(tmp_path_factory.mktemp("data"), concurrency=2, seed=0) as (url, _):
+        yield url
 
 
-def chat_of(result):
-    return result[1]  # API outputs (the session state is not one): text box, chatbot, token map, stats, ...
-
-
-def text_of(message):
-    """Gradio 6 sends a message's content as a list of typed parts."""
-    content = message["content"]
-    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+def send(client, text):
+    return shown(client.predict(text, api_name="/send"))
 
 
 def test_a_message_streams_back_with_the_panel(app_url):
     client = Client(app_url, verbose=False)
-    job = client.submit("Hello there", "all", "all", api_name="/send")
+    job = client.submit("Hello there", api_name="/send")
     updates = list(job)
-    result = job.result()
-    chat = chat_of(result)
-    assert [m["role"] for m in chat] == ["user", "assistant"] and text_of(chat[0]) == "Hello there"
+    out = shown(job.result())
+    assert [m["role"] for m in out["chat"]] == ["user", "assistant"] and text_of(out["chat"][0]) == "Hello there"
     assert len(updates) > 2  # streamed, not one final answer
-    assert 'class="tok st-' in result[2] and "tokens seen" in result[3]
+    assert out["box"] == "" and 'class="tok st-' in out["token_map"] and "tokens seen" in out["stats"]
+    assert 'src="data:image/png;base64,' in out["retention_map"]
+    assert out["conversation_id"] and any(value == out["conversation_id"] for _, value in out["saved"]["choices"])
 
 
 def test_stop_ends_the_reply_and_keeps_it(app_url):
     client = Client(app_url, verbose=False)
-    client.predict("Hi", "all", "all", api_name="/send")  # creates this client's session
-    job = client.submit("Tell me a very long story", "all", "all", api_name="/send")
-    while len(job.outputs()) < 3:
-        time.sleep(0.01)
+    send(client, "Hi")
+    job = client.submit("Tell me a very long story", api_name="/send")
+    for _ in deadline(30):
+        if len(job.outputs()) >= 3:
+            break
     client.predict(api_name="/stop")
-    started = time.perf_counter()
-    result = job.result()
-    assert time.perf_counter() - started < 5
-    chat = chat_of(result)
+    for _ in deadline(5):
+        if job.done():
+            break
+    chat = shown(job.result())["chat"]
     assert chat[-1]["role"] == "assistant" and len(chat) == 4
+
+
+def test_while_a_reply_streams_the_stats_show_its_own_timing(app_url):
+    client = Client(app_url, verbose=False)
+    job = client.submit("Tell me a very long story", api_name="/send")
+    list(job)
+    stats = [shown(o)["stats"] for o in job.outputs() if isinstance(shown(o)["stats"], str) and shown(o)["stats"]]
+    assert "waiting for the first token" in stats[0]  # not the 0.00 s of a turn that has not started
+    assert "TTFT 0.00 s · 0.0 tokens/s" not in "".join(stats)
 
 
 def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
@@ -73,82 +62,103 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
     def talk(name):
         client = Client(app_url, verbose=False)
         for text in (f"I am {name}.", f"Remember {name}?"):
-            results[name] = client.predict(text, "all", "all", api_name="/send")
+            results[name] = send(client, text)
 
     threads = [threading.Thread(target=talk, args=(n,)) for n in ("alice", "bob")]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
     for me, other in (("alice", "bob"), ("bob", "alice")):
-        chat = chat_of(results[me])
+        chat = results[me]["chat"]
         assert [text_of(m) for m in chat if m["role"] == "user"] == [f"I am {me}.", f"Remember {me}?"]
-        assert other not in results[me][2]  # nor in the token map
+        assert other not in results[me]["token_map"]
 
 
-def test_changing_the_cache_replays_the_chat(app_url):
+def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     client = Client(app_url, verbose=False)
-    client.predict("Hello there", "all", "all", api_name="/send")
-    result = client.predict("sink", 24, 8, 4, "sum", "rolling", "all", "all", api_name="/apply_cache")
-    assert [text_of(m) for m in result[0] if m["role"] == "user"] == ["Hello there"]  # the chat survives
-    assert "**24** slots per head" in result[2]
-    bad = client.predict("h2o", 0, 8, 4, "sum", "rolling", "all", "all", api_name="/apply_cache")
-    assert "**24** slots per head" in bad[2]  # an impossible budget changes nothing
+    send(client, "Hello there")
+    out = shown(client.predict("sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Hello there"]  # the chat survives
+    assert "**24** slots per head" in out["stats"] and (out["policy"], out["budget"], out["n_recent"]) == ("sink", 24, 8)
+    assert "H2O keeps" not in out["legend"] and "StreamingLLM" in out["legend"]  # the text fits the policy
+    assert len(out["memory"]["value"]["data"]) == 4  # the chart starts again: the origin and now, two series
+    bad = shown(client.predict("h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
+    assert (bad["policy"], bad["budget"]) == ("sink", 24)  # ... and the fields show what the chat uses
 
 
 def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(app_url):
     client = Client(app_url, verbose=False)
-    job = client.submit("Tell me a very long story", "all", "all", api_name="/send")
-    while len(job.outputs()) < 3:
-        time.sleep(0.01)
-    client.predict("1", "0", api_name="/select")  # the tab's selectors change mid-reply
-    result = job.result()
-    assert "Layer 1, KV head 0: exactly the tokens this head keeps" in result[2]
+    job = client.submit("Tell me a very long story", api_name="/send")
+    for _ in deadline(30):
+        if len(job.outputs()) >= 3:
+            break
+    client.predict("1", "0", api_name="/select")  # the tab's pickers change mid-reply
+    out = shown(job.result())
+    assert "Layer 1, KV head 0: exactly the tokens this head keeps" in out["token_map"]
+    assert "In layer 1, head 0:" in out["stats"]
 
 
-def test_api_parameters_have_their_names(app_url):
-    # a script driving the app through gradio_client sees what each argument is
-    api = Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
-    names = {route: [p["parameter_name"] for p in api[route]["parameters"]] for route in api}
-    assert names["/send"] == ["text", "layer", "head"]
-    assert names["/edit"] == ["turn", "text", "layer", "head"]
-    assert names["/pin"] == names["/unpin"] == ["turn", "layer", "head"]
-    assert names["/restore"] == ["session_id", "layer", "head"]
-    assert names["/undo"] == names["/new_chat"] == names["/regenerate"] == ["layer", "head"]
-    assert names["/sampling"] == ["system_prompt", "temperature", "top_p", "max_new_tokens", "layer", "head"]
-
-
-def test_every_chat_action_through_the_app(app_url, tmp_path):
+def test_a_layer_with_all_heads_is_its_own_view(app_url):
     client = Client(app_url, verbose=False)
-    chat = chat_of(client.predict("Once upon a time", "all", "all", api_name="/send"))
-    first_reply = text_of(chat[1])
+    send(client, "Tell me a story about a lighthouse keeper")
+    legend, token_map, rmap, stats, *_ = client.predict("1", "all", api_name="/select")
+    assert "Layer 1, all" in token_map and "In layer 1:" in stats
+    assert 'class="rmap-mark"' in rmap  # the retention map marks the chosen layer
 
-    chat = client.predict("all", "all", api_name="/continue")[0]
+
+def test_the_charts_name_their_series_and_axes(app_url):
+    client = Client(app_url, verbose=False)
+    out = send(client, "Hello")
+    memory = out["memory"]["value"]
+    assert memory["columns"] == ["tokens seen", "cache", "KV MiB", "slots per head"]
+    assert {row[1] for row in memory["data"]} == {"this cache", "a full cache"}
+    assert out["memory"]["y_lim"][0] == 0 and out["memory"]["y_lim"][1] > max(row[2] for row in memory["data"])
+
+
+def test_every_chat_action_through_the_app(app_url):
+    client = Client(app_url, verbose=False)
+    out = send(client, "Once upon a time")
+    first_reply = text_of(out["chat"][1])
+
+    chat = shown(client.predict(api_name="/continue"))["chat"]
     assert len(chat) == 2 and text_of(chat[1]).startswith(first_reply)  # the same reply, longer or equal
 
-    chat = client.predict("all", "all", api_name="/regenerate")[0]
+    chat = shown(client.predict(api_name="/regenerate"))["chat"]
     assert [m["role"] for m in chat] == ["user", "assistant"] and text_of(chat[0]) == "Once upon a time"
 
-    chat = client.predict(0, "Twice upon a time", "all", "all", api_name="/edit")[0]
+    chat = shown(client.predict(0, "Twice upon a time", api_name="/edit"))["chat"]
     assert text_of(chat[0]) == "Twice upon a time"
 
-    view = client.predict(0, "all", "all", api_name="/pin")
-    assert "st-pinned" in view[1]  # the pinned message shows as pinned in the token map
-    view = client.predict(0, "all", "all", api_name="/unpin")
-    assert "st-pinned" not in view[1]
+    view = shown(client.predict(0, True, api_name="/pin"))
+    assert "st-pinned" in view["token_map"] and "pinned (never evicted): message 1" in view["stats"]
+    view = shown(client.predict(0, False, api_name="/pin"))
+    assert "st-pinned" not in view["token_map"]
 
-    client.predict("You are terse.", 0, 0.9, 64, "all", "all", api_name="/sampling")
-    chat = chat_of(client.predict("And then?", "all", "all", api_name="/send"))
+    out = shown(client.predict("You are terse.", 0, 0.9, 64, api_name="/sampling"))
+    assert (out["system_prompt"], out["temperature"], out["max_new_tokens"]) == ("You are terse.", 0, 64)
+    chat = send(client, "And then?")["chat"]
     assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time", "And then?"]
 
     markdown, record = client.predict(api_name="/export")
     assert "And then?" in open(markdown, encoding="utf-8").read()
-    session_id = json.loads(open(record, encoding="utf-8").read())["id"]
+    conversation_id = json.loads(open(record, encoding="utf-8").read())["id"]
 
-    chat = client.predict("all", "all", api_name="/undo")[0]
+    chat = shown(client.predict(api_name="/undo"))["chat"]
     assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time"]
-    assert client.predict("all", "all", api_name="/new_chat")[0] == []
+    fresh = shown(client.predict(api_name="/new_chat"))
+    assert fresh["chat"] == [] and fresh["system_prompt"] == "" and fresh["max_new_tokens"] == 256  # the defaults
 
-    client.predict(api_name="/saved_sessions")
-    chat = client.predict(session_id, "all", "all", api_name="/restore")[0]
-    assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time"]  # as autosaved after the undo
+    out = shown(client.predict(conversation_id, api_name="/restore"))
+    assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Twice upon a time"]  # as saved after undo
+    assert (out["system_prompt"], out["temperature"], out["max_new_tokens"]) == ("You are terse.", 0, 64)
+
+
+def test_the_saved_list_names_each_conversation_newest_first(app_url):
+    first, second = Client(app_url, verbose=False), Client(app_url, verbose=False)
+    send(first, "The first conversation starts here with many words")  # 8 words: the whole title
+    saved = send(second, "A second one")["saved"]["choices"]
+    labels = [label for label, _ in saved]
+    assert labels[0].startswith("A second one · ") and labels[0].endswith(" · 2 messages")
+    assert any(label.startswith("The first conversation starts here with many words · ") for label in labels[1:])

@@ -27,7 +27,7 @@ from transformers import GPT2Config
 import app as app_main
 from h2o_chat import ChatSession, session as session_mod, store
 from h2o_chat.model import ModelLoadError, load_model
-from tests.live import live_app, save_tiny_chat, texts, warnings_of
+from tests.live import live_app, save_tiny_chat, shown, texts, warnings_of
 
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -451,14 +451,23 @@ def app(tmp_path_factory):
 def tab_with_one_exchange(url):
     client = Client(url, verbose=False)
     # longer than the budget (48), so the panel's stats show the budget as the slots in use
-    chat = client.predict("hello, " * 8, "all", "all", api_name="/send")[1]
+    chat = shown(client.predict("hello, " * 8, api_name="/send"))["chat"]
     return client, texts(chat)
 
 
 def app_goes_on(client, before):
-    chat = texts(client.predict("and now?", "all", "all", api_name="/send")[1])
+    chat = texts(shown(client.predict("and now?", api_name="/send"))["chat"])
     assert chat[: len(before)] == before and chat[len(before)] == ("user", "and now?")
     assert chat[-1][0] == "assistant"
+
+
+def warned(client, api, *args, match):
+    """Call a route; it must finish (no error toast, no "Error" badges) with a warning matching."""
+    job = client.submit(*args, api_name=api)
+    result = job.result()  # an error toast would raise AppError here
+    found = warnings_of(job)
+    assert any(match in w for w in found), found
+    return result
 
 
 @pytest.mark.parametrize("text, match", [
@@ -470,12 +479,9 @@ def app_goes_on(client, before):
 ])
 def test_the_app_refuses_a_bad_message_and_keeps_it_in_the_box(app, text, match):
     client, before = tab_with_one_exchange(app[0])
-    job = client.submit(text, "all", "all", api_name="/send")
-    result = job.result()
-    shown = warnings_of(job)
-    assert any(match in w for w in shown), shown
-    assert result[0] == text  # the message box keeps what was typed: nothing is lost
-    assert texts(result[1]) == before
+    out = shown(warned(client, "/send", text, match=match))
+    assert out["box"] == text  # the message box keeps what was typed: nothing is lost
+    assert texts(out["chat"]) == before
     app_goes_on(client, before)
 
 
@@ -490,31 +496,32 @@ def test_the_app_refuses_a_bad_message_and_keeps_it_in_the_box(app, text, match)
 def test_the_app_keeps_valid_text_exactly(app, text):
     url, data = app
     client = Client(url, verbose=False)
-    chat = texts(client.predict(text, "all", "all", api_name="/send")[1])
+    out = shown(client.predict(text, api_name="/send"))
+    chat = texts(out["chat"])
     assert chat[0] == ("user", text) and chat[1][0] == "assistant"
-    record = json.loads(open(client.predict(api_name="/export")[1], encoding="utf-8").read())
+    record = json.loads((data / f"{out['conversation_id']}.json").read_text(encoding="utf-8"))
     assert record["messages"][0]["content"] == text
     # a new tab restores it word for word
     other = Client(url, verbose=False)
     other.predict(api_name="/saved_sessions")
-    assert texts(other.predict(record["id"], "all", "all", api_name="/restore")[0]) == chat
+    assert texts(shown(other.predict(record["id"], api_name="/restore"))["chat"]) == chat
     app_goes_on(client, chat)
 
 
 @pytest.mark.parametrize("budget, n_recent, n_sink, match", [
     pytest.param(0, 8, 2, "budget must be positive", id="budget-0"),
     pytest.param(-8, 8, 2, "budget must be positive", id="budget-negative"),
-    pytest.param(None, 8, 2, "Budget must be a number", id="budget-field-empty"),
+    pytest.param(None, 8, 2, "Budget is empty", id="budget-field-empty"),
+    pytest.param(16, None, 2, "Recent window is empty", id="recent-field-empty"),
+    pytest.param(16, 8, None, "Sinks is empty", id="sinks-field-empty"),
     pytest.param(16, 8, 10, "exceeds the budget", id="sinks-plus-recent-over"),
 ])
 def test_the_app_refuses_invalid_cache_settings(app, budget, n_recent, n_sink, match):
     client, before = tab_with_one_exchange(app[0])
-    job = client.submit("h2o", budget, n_recent, n_sink, "sum", "rolling", "all", "all", api_name="/apply_cache")
-    result = job.result()
-    shown = warnings_of(job)
-    assert any(match in w for w in shown), shown
-    assert texts(result[0]) == before
-    assert "**48** slots per head" in result[2]  # the cache is as it was
+    out = shown(warned(client, "/apply_cache", "h2o", budget, n_recent, n_sink, "sum", "rolling", match=match))
+    assert texts(out["chat"]) == before
+    assert "**48** slots per head" in out["stats"]  # the cache is as it was ...
+    assert (out["budget"], out["n_recent"], out["n_sink"]) == (48, 16, 2)  # ... and the fields say so
     app_goes_on(client, before)
 
 
@@ -522,23 +529,49 @@ def test_the_app_refuses_a_budget_that_is_not_a_number(app):
     from gradio_client.exceptions import AppError
 
     client, before = tab_with_one_exchange(app[0])
-    with pytest.raises(AppError, match="'lots'"):  # Gradio's own check on a number field, an error toast
-        client.predict("h2o", "lots", 8, 2, "sum", "rolling", "all", "all", api_name="/apply_cache")
+    with pytest.raises(AppError, match="'lots'"):  # Gradio's own check on a number field (API only)
+        client.predict("h2o", "lots", 8, 2, "sum", "rolling", api_name="/apply_cache")
     app_goes_on(client, before)
 
 
 @pytest.mark.parametrize("temperature, top_p, max_new, match", [
-    pytest.param(-1, 0.9, 64, "Value -1 is less than minimum value 0", id="temperature-negative"),
-    pytest.param(0.7, 0.9, 0, "Value 0 is less than minimum value 16", id="max_new_tokens-0"),
-    pytest.param(None, 0.9, 64, "Expected a `float`", id="temperature-empty"),
+    pytest.param(0.7, 0.9, 0, "max_new_tokens must be in [1, inf]", id="max_new_tokens-0"),
+    pytest.param(0.7, 0.9, None, "Max new tokens is empty", id="max_new_tokens-empty"),
 ])
-def test_the_app_refuses_out_of_range_sampling(app, temperature, top_p, max_new, match):
-    # the sliders' own ranges, which Gradio checks on the server, are all valid sampling settings
+def test_the_app_refuses_odd_sampling_values(app, temperature, top_p, max_new, match):
+    client, before = tab_with_one_exchange(app[0])
+    out = shown(warned(client, "/sampling", "", temperature, top_p, max_new, match=match))
+    assert (out["temperature"], out["max_new_tokens"]) == (0, 6)  # what the chat uses, unchanged
+    app_goes_on(client, before)
+
+
+@pytest.mark.parametrize("temperature, top_p, match", [
+    pytest.param(-1, 0.9, "Value -1 is less than minimum value 0", id="temperature-negative"),
+    pytest.param(None, 0.9, "Expected a `float`", id="temperature-empty"),
+])
+def test_the_sliders_own_ranges_are_checked(app, temperature, top_p, match):
+    # a slider in the page cannot leave its range; a script can, and Gradio refuses it
     from gradio_client.exceptions import AppError
 
     client, before = tab_with_one_exchange(app[0])
-    with pytest.raises(AppError, match=match):  # shown as an error toast
-        client.predict("", temperature, top_p, max_new, "all", "all", api_name="/sampling")
+    with pytest.raises(AppError, match=match):
+        client.predict("", temperature, top_p, 64, api_name="/sampling")
+    app_goes_on(client, before)
+
+
+@pytest.mark.parametrize("layer, head, match", [
+    pytest.param("99", "all", "Layer must be 'all' or a number from 0 to 1", id="layer-past-the-end"),
+    pytest.param("1", "-1", "KV head must be 'all' or a number from 0 to 1", id="head-negative"),
+    pytest.param("x", "all", "Layer must be 'all' or a number", id="layer-text"),
+])
+def test_the_app_refuses_odd_picks(app, layer, head, match):
+    from gradio_client.exceptions import AppError
+
+    client, before = tab_with_one_exchange(app[0])
+    try:
+        warned(client, "/select", layer, head, match=match)
+    except AppError as e:  # a value outside a dropdown's choices is refused by Gradio itself
+        assert "not in the list of choices" in str(e)
     app_goes_on(client, before)
 
 
@@ -546,29 +579,42 @@ def test_the_app_refuses_out_of_range_sampling(app, temperature, top_p, max_new,
 def test_the_app_reports_a_corrupt_saved_session_and_keeps_the_chat(app, content, match):
     url, data = app
     client, before = tab_with_one_exchange(url)
-    session_id = json.loads(open(client.predict(api_name="/export")[1], encoding="utf-8").read())["id"]
-    record = json.loads((data / f"{session_id}.json").read_text(encoding="utf-8"))  # as saved: with its version
+    conversation_id = shown(client.predict("one more", api_name="/send"))["conversation_id"]
+    before = texts(shown(client.predict(api_name="/undo"))["chat"])
+    record = json.loads((data / f"{conversation_id}.json").read_text(encoding="utf-8"))  # as saved: with its version
     (data / "broken.json").write_bytes(corrupt(content, record))
     client.predict(api_name="/saved_sessions")
-    job = client.submit("broken", "all", "all", api_name="/restore")
-    result = job.result()
-    shown = warnings_of(job)
-    assert any("saved session 'broken'" in w and match in w for w in shown), shown
-    assert texts(result[0]) == before
+    job = client.submit("broken", api_name="/restore")
+    out = shown(job.result())
+    assert any("saved session 'broken'" in w and match in w for w in warnings_of(job)), warnings_of(job)
+    assert texts(out["chat"]) == before
     app_goes_on(client, before)
 
 
 @pytest.mark.parametrize("api, args, match", [
     pytest.param("/regenerate", (), "Nothing to do yet", id="regenerate"),
     pytest.param("/continue", (), "Nothing to do yet", id="continue"),
-    pytest.param("/undo", (), "nothing to undo", id="undo"),
-    pytest.param("/edit", (5, "x"), "no message 5", id="edit-past-the-end"),
-    pytest.param("/pin", (3,), "no message 3", id="pin-past-the-end"),
+    pytest.param("/undo", (), "Nothing to do yet", id="undo"),
+    pytest.param("/edit", (5, "x"), "Nothing to do yet", id="edit-empty-chat"),
+    pytest.param("/pin", (3, True), "Nothing to do yet", id="pin-empty-chat"),
+    pytest.param("/restore", (None,), "choose a saved conversation first", id="restore-nothing-chosen"),
+    pytest.param("/export", (), "Nothing to export yet", id="export-empty-chat"),
 ])
 def test_the_app_refuses_actions_on_an_empty_chat(app, api, args, match):
     client = Client(app[0], verbose=False)
-    job = client.submit(*args, "all", "all", api_name=api)
-    job.result()
-    shown = warnings_of(job)
-    assert any(match in w for w in shown), shown
+    warned(client, api, *args, match=match)
     app_goes_on(client, [])
+
+
+@pytest.mark.parametrize("api, args, match", [
+    pytest.param("/edit", (5, "x"), "no message 5", id="edit-past-the-end"),
+    pytest.param("/edit", (0, ""), "is empty", id="edit-to-empty"),
+    pytest.param("/edit", (None, "x"), "must be a whole number", id="edit-no-number"),
+    pytest.param("/pin", (3, True), "no message 3", id="pin-past-the-end"),
+    pytest.param("/pin", (None, True), "must be a whole number", id="pin-no-number"),
+])
+def test_the_app_refuses_odd_message_actions(app, api, args, match):
+    client, before = tab_with_one_exchange(app[0])
+    out = shown(warned(client, api, *args, match=match))
+    assert texts(out["chat"]) == before and "st-pinned" not in out["token_map"]
+    app_goes_on(client, before)

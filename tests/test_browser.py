@@ -1,46 +1,177 @@
-"""The real UI in a real browser (Debian's chromium, driven by Playwright): type, see the reply
-stream in, see coloured tokens in the panel, pick one layer and head and see exactly its slots.
-Skipped where chromium is not installed (`.ci/run` installs it)."""
+"""The real UI in a real browser (Debian's chromium, driven by Playwright), used as a person
+uses it: type and press Enter, type while a reply streams, reload, restart the server, edit and
+pin through the Chatbot's own buttons, pick a layer and head, restore a saved conversation.
+Replies are greedy (temperature 0); every wait has a deadline. Skipped where chromium is not
+installed (`.ci/run` installs it)."""
 
 import shutil
-import socket
 
 import pytest
 
-from h2o_chat.ui import CSS, build
 from tests.conftest import make_tiny_chat
+from tests.live import free_port, live_app, never_ending
 
 CHROMIUM = shutil.which("chromium")
 playwright = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
+CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="mean", positions="rolling")
+WAIT_MS = 120_000  # generous: the CI machine may be busy
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield chromium
+        chromium.close()
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    model, tok = make_tiny_chat()
+    """A model that never ends its replies on its own: each runs to max_new_tokens (5000), so a
+    reply is reliably still streaming while the test types, scrolls or picks."""
+    model, tok = never_ending(*make_tiny_chat())
     # score "mean": on this tiny model the heads then keep different tokens, so one head's view differs
-    # from the summary over all heads
-    demo = build(model, tok, dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="mean", positions="rolling"),
-                 str(tmp_path_factory.mktemp("data")), chat_defaults=dict(temperature=0, max_new_tokens=256))
-    demo.queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, quiet=True)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+    with live_app(tmp_path_factory.mktemp("data"), model, tok, cache=CACHE, temperature=0,
+                  max_new_tokens=5000) as (url, _):
+        yield url
 
 
 @pytest.fixture
-def page(app):
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        page.goto(app)
-        yield page
-        browser.close()
+def page(browser, app):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.goto(app)
+    page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+    yield page
+    context.close()
+
+
+def box(page):
+    return page.locator("#message textarea")
+
+
+def bot_text(page):
+    """The last reply's text, read in one go (the Chatbot re-renders while it streams)."""
+    return page.evaluate("() => { const b = document.querySelectorAll('#chat .bot-row'); "
+                         "return b.length ? b[b.length - 1].innerText : ''; }")
+
+
+def wait_for_more(page, than, chars=20):
+    """Until the last reply has grown `chars` characters past `than`."""
+    try:
+        page.wait_for_function(
+            "([n]) => { const b = document.querySelectorAll('#chat .bot-row'); "
+            "return b.length && b[b.length - 1].innerText.length >= n; }", arg=[len(than) + chars], timeout=WAIT_MS)
+    except playwright.Error:
+        page.screenshot(path="/tmp/shots/fail.png")
+        raise AssertionError(f"the reply stopped at {len(bot_text(page))} characters (waited for {len(than) + chars}); "
+                             f"stats: {page.inner_text('#stats')!r}") from None
+
+
+def stop_and_settle(page):
+    page.click("#stop")
+    page.wait_for_function("() => !document.querySelector('#chat .generating, #stats .pending')", timeout=WAIT_MS)
+    page.wait_for_timeout(300)
+    settled = None
+    for _ in range(50):  # bounded: until two reads of the reply agree
+        now = bot_text(page)
+        if now == settled:
+            return now
+        settled = now
+        page.wait_for_timeout(300)
+    raise AssertionError("the reply kept changing after Stop")
+
+
+def send(page, text):
+    box(page).fill(text)
+    box(page).press("Enter")
+    page.get_by_text(text).first.wait_for(timeout=WAIT_MS)
+
+
+def test_enter_sends_and_shift_enter_makes_a_new_line(page):
+    field = box(page)
+    assert "Enter sends, Shift+Enter makes a new line" in field.get_attribute("placeholder")
+    field.click()
+    field.type("line one")
+    page.keyboard.press("Shift+Enter")
+    field.type("line two")
+    assert field.input_value() == "line one\nline two"  # Shift+Enter: a new line, nothing sent
+    assert page.locator("#chat .user-row").count() == 0
+    page.keyboard.press("Enter")
+    page.locator("#chat .user-row").first.wait_for(timeout=WAIT_MS)
+    assert page.locator("#chat .user-row").first.inner_text().strip() == "line one\nline two"
+    assert field.input_value() == ""  # cleared when sent
+    stop_and_settle(page)
+
+
+def test_text_typed_while_a_reply_streams_stays_in_the_box(page):
+    box(page).fill("Tell me a long story")
+    box(page).press("Enter")
+    box(page).type("typed before the first token")  # the reply is starting: no token yet
+    page.locator("#chat .bot-row").first.wait_for(timeout=WAIT_MS)
+    wait_for_more(page, bot_text(page))
+    box(page).type(", and more while it streams")
+    wait_for_more(page, bot_text(page))  # several updates later
+    assert box(page).input_value() == "typed before the first token, and more while it streams"
+    assert page.locator("#chat .user-row").first.inner_text().strip() == "Tell me a long story"  # only what was sent
+    stop_and_settle(page)
+
+
+def test_the_live_view_follows_new_tokens_and_lets_the_user_scroll_back(page):
+    page.get_by_text("Cache (changing it replays the chat)").click()
+    page.locator("#budget input").fill("600")  # a map longer than its box
+    page.click("#apply-cache")
+    page.wait_for_function("() => document.querySelector('#budget input').value === '600'", timeout=WAIT_MS)
+    box(page).fill("Stream a long reply after this long message:" + " word" * 300)  # the map overflows at once
+    box(page).press("Enter")
+    page.wait_for_selector("#token-map .token-map", timeout=WAIT_MS)
+    at_end = ("() => { const m = document.querySelector('#token-map .token-map'); "
+              "return m && m.scrollHeight > m.clientHeight + 50 && m.scrollHeight - m.scrollTop - m.clientHeight < 30; }")
+    page.wait_for_function(at_end, timeout=WAIT_MS)  # overflowing, and showing its end
+    wait_for_more(page, bot_text(page), chars=60)
+    page.wait_for_function(at_end, timeout=WAIT_MS)  # still the end after new tokens came in
+    page.evaluate("() => { const m = document.querySelector('#token-map .token-map'); m.scrollTop = 0; "
+                  "m.dispatchEvent(new Event('scroll')); }")  # the user scrolls back
+    wait_for_more(page, bot_text(page), chars=60)
+    assert page.evaluate("() => document.querySelector('#token-map .token-map').scrollTop") < 30  # stays there
+    stop_and_settle(page)
+
+
+def test_a_reload_shows_the_same_conversation(page):
+    send(page, "Remember me after a reload")
+    reply = stop_and_settle(page)
+    page.reload()
+    page.get_by_text("Remember me after a reload").first.wait_for(timeout=WAIT_MS)
+    page.wait_for_function("([r]) => { const b = document.querySelectorAll('#chat .bot-row'); "
+                           "return b.length && b[b.length - 1].innerText.trim() === r.trim(); }", arg=[reply],
+                           timeout=WAIT_MS)
+    assert "tokens seen" in page.inner_text("#stats")  # replayed: the panel shows its cache
+
+
+def test_edit_and_pin_through_the_chatbots_own_controls(page):
+    send(page, "The first message")
+    stop_and_settle(page)
+    page.locator("#chat .user-row").first.hover()
+    page.locator("#chat button[aria-label='Edit']").first.click()
+    page.locator("#chat textarea.edit-textarea").fill("The edited message")
+    page.locator("#chat button[aria-label='Submit']").click()
+    page.wait_for_function("() => document.querySelector('#chat .user-row').innerText.includes('The edited message')",
+                           timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelector('#token-map').innerText.includes('edited')", timeout=WAIT_MS)
+
+    page.locator("#chat .user-row").first.hover()
+    page.locator("#chat button[aria-label='Feedback']").first.click()
+    page.locator("#chat .extra-feedback-option", has_text="Pin (never evict)").first.click()
+    page.wait_for_selector("#token-map .tok.st-pinned", timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('pinned (never evicted): message 1')",
+                           timeout=WAIT_MS)
+    page.locator("#chat .user-row").first.hover()
+    page.locator("#chat button[aria-label='Feedback']").first.click()
+    page.locator("#chat .extra-feedback-option", has_text="Unpin").first.click()
+    page.wait_for_function("() => !document.querySelector('#token-map .tok.st-pinned')", timeout=WAIT_MS)
 
 
 def pick(page, selector, value):
@@ -49,24 +180,92 @@ def pick(page, selector, value):
     page.locator(f"#{listbox}").get_by_role("option", name=value, exact=True).click()
 
 
-def test_chat_and_panel_in_the_browser(page, app, tmp_path):
-    page.fill("#message textarea", "Hello there, tell me a story")
-    page.click("#send")
-    page.wait_for_selector("#token-map .tok.st-evicted", timeout=60_000)  # the reply outgrew the budget
-    page.get_by_text("Hello there, tell me a story").first.wait_for()
-    assert page.locator(".message").count() >= 2  # the question and its streamed answer
-    settled = ""
-    while settled != page.inner_text("#stats"):  # until the reply has finished streaming
-        settled = page.inner_text("#stats")
-        page.wait_for_timeout(1500)
-    for status in ("sink", "heavy", "recent"):
+def test_the_panel_views_and_the_charts_legends(page, tmp_path):
+    send(page, "Hello there, tell me a story")
+    page.wait_for_selector("#token-map .tok.st-evicted", timeout=WAIT_MS)  # the reply outgrew the budget
+    stop_and_settle(page)
+    for status in ("sink", "recent"):
         assert page.locator(f"#token-map .tok.st-{status}").count() > 0
-    assert "tokens seen" in page.inner_text("#stats")
-    # the summary shows every token some (layer, head) keeps: more than one head's 48 slots
-    assert page.locator("#token-map .tok:not(.st-evicted)").count() > 48
+    assert page.locator("#retention-map img").count() == 1
+    for chart in ("#memory-chart", "#slots-chart"):
+        text = page.inner_text(chart)
+        assert "tokens seen" in text
+        for series in ("this cache", "a full cache"):  # the legend names both series, inside the chart's box
+            inside = page.evaluate(
+                "([chart, name]) => { const c = document.querySelector(chart).getBoundingClientRect(); "
+                "const t = [...document.querySelectorAll(chart + ' .role-legend-label text')]"
+                ".find(e => e.textContent === name); if (!t) return false; const r = t.getBoundingClientRect(); "
+                "return r.height > 0 && r.top >= c.top && r.bottom <= c.bottom && r.left >= c.left && r.right <= c.right; }",
+                [chart, series])
+            assert inside, f"{chart}: legend entry {series!r} missing or clipped"
+    assert "KV memory (MiB)" in page.inner_text("#memory-chart")
+    # the summary shows every token some (layer, head) keeps: at least one head's 48 slots
+    assert page.locator("#token-map .tok:not(.st-evicted)").count() >= 48
 
     pick(page, "#layer", "1")
+    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1:')", timeout=WAIT_MS)
+    assert page.locator("#retention-map .rmap-mark").count() == 1
     pick(page, "#head", "0")
+    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1, head 0:')",
+                           timeout=WAIT_MS)
     page.wait_for_function(
-        "() => document.querySelectorAll('#token-map .tok:not(.st-evicted)').length === 48", timeout=30_000)
+        "() => document.querySelectorAll('#token-map .tok:not(.st-evicted)').length === 48", timeout=WAIT_MS)
     page.screenshot(path=str(tmp_path / "browser.png"), full_page=True)
+
+
+def field(page, elem_id):
+    return page.locator(f"#{elem_id} input, #{elem_id} textarea").first.input_value()
+
+
+def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
+    page.get_by_text("Cache (changing it replays the chat)").click()
+    page.locator("#budget input").fill("40")
+    page.click("#apply-cache")
+    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('**') || true")
+    page.get_by_text("Generation").first.click()
+    page.locator("#max-new input").fill("500")
+    page.locator("#system-prompt textarea").fill("You are a lighthouse keeper.")
+    page.click("#apply-sampling")
+    send(page, "Restore me with my settings")
+    stop_and_settle(page)
+    assert "**40** slots per head" in page.inner_text("#stats") or "40" in field(page, "budget")
+
+    page.click("#new-chat")
+    page.wait_for_function("() => document.querySelectorAll('#chat .user-row').length === 0", timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelector('#budget input').value === '48'", timeout=WAIT_MS)
+    assert field(page, "max-new") == "5000" and field(page, "system-prompt") == ""  # the new chat's own settings
+
+    page.get_by_text("Saved conversations and export").click()
+    pick_saved = page.locator("#saved input")
+    pick_saved.click()
+    listbox = pick_saved.get_attribute("aria-controls")
+    page.locator(f"#{listbox}").get_by_role("option").filter(has_text="Restore me with my settings").first.click()
+    page.click("#restore")
+    page.get_by_text("Restore me with my settings").first.wait_for(timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelector('#budget input').value === '40'", timeout=WAIT_MS)
+    assert field(page, "max-new") == "500" and field(page, "system-prompt") == "You are a lighthouse keeper."
+    assert "40** slots per head" in page.inner_text("#stats") or "40 slots per head" in page.inner_text("#stats")
+
+
+def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tmp_path):
+    model, tok = make_tiny_chat()
+    data, port = tmp_path / "data", free_port()
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    try:
+        with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=24) as (url, _):
+            page.goto(url)
+            page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+            send(page, "Survive a restart")
+            page.locator("#chat .bot-row").first.wait_for(timeout=WAIT_MS)
+            reply = stop_and_settle(page)
+        # the server is gone; a new one starts on the same port and data folder
+        with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=24) as (url, _):
+            send(page, "Still the same chat?")  # the same page, not reloaded: the conversation goes on
+            page.wait_for_function("() => document.querySelectorAll('#chat .bot-row').length === 2", timeout=WAIT_MS)
+            page.reload()
+            page.get_by_text("Survive a restart").first.wait_for(timeout=WAIT_MS)
+            page.get_by_text("Still the same chat?").first.wait_for(timeout=WAIT_MS)
+            assert page.locator("#chat .bot-row").first.inner_text().strip() == reply.strip()
+    finally:
+        context.close()

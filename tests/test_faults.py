@@ -20,7 +20,7 @@ import torch
 from gradio_client import Client
 from transformers import DynamicCache
 
-import h2o_chat.ui as ui
+import h2o_chat.ui_state as ui_state
 from h2o_chat import ChatSession, session as session_mod, store
 from h2o_chat.model import load_model
 from h2o_chat.conversation import Message
@@ -283,7 +283,7 @@ def app(tmp_path_factory):
             sessions.add(self)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ui, "ChatSession", Tracked)
+        mp.setattr(ui_state, "ChatSession", Tracked)
         # Gradio notices a closed tab when its next heartbeat fails to send: every 15 s by default
         mp.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.2")
         with live_app(data, model, tok, cache=EVICTING, concurrency=1, temperature=0, max_new_tokens=2000) as (url, _):
@@ -311,14 +311,14 @@ def open_heartbeat(url, session_hash):
 
 
 def short_replies(client):
-    client.predict("", 0, 0.9, 16, "all", "all", api_name="/sampling")  # max new tokens: 16
+    client.predict("", 0, 0.9, 16, api_name="/sampling")  # max new tokens: 16
 
 
 def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     url = app["url"]
     tab = Client(url, verbose=False)
     heartbeat = open_heartbeat(url, tab.session_hash)
-    job = tab.submit("Closing tab: tell me a long story", "all", "all", api_name="/send")
+    job = tab.submit("Closing tab: tell me a long story", api_name="/send")
     streaming(job)
     session = session_of(app, "Closing tab: tell me a long story")
     assert session.cache.kv_bytes() > 0
@@ -327,7 +327,7 @@ def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     other = Client(url, verbose=False)
     started = time.monotonic()
     short_replies(other)  # queued behind the closed tab's 2000-token reply unless that one stopped
-    assert texts(other.predict("Hi", "all", "all", api_name="/send")[1])[0] == ("user", "Hi")
+    assert texts(other.predict("Hi", api_name="/send")[2])[0] == ("user", "Hi")
     assert time.monotonic() - started < 10
     assert job.done()
     assert session.cache.kv_bytes() == 0 and len(session.ledger) == 0  # its memory is released
@@ -335,14 +335,14 @@ def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     assert 0 < len(reply) < 2000 and store.load(app["data"], session.id)["messages"][-1]["content"] == reply
     # a tab that was only asleep comes back: its chat goes on, replayed into a fresh cache
     short_replies(tab)
-    chat = texts(tab.predict("Still there?", "all", "all", api_name="/send")[1])
+    chat = texts(tab.predict("Still there?", api_name="/send")[2])
     assert chat[:2] == [("user", "Closing tab: tell me a long story"), ("assistant", reply)]
     assert chat[2] == ("user", "Still there?") and session.cache.kv_bytes() > 0
 
 
 def test_a_cancelled_call_stops_the_reply_and_the_app_goes_on(app):
     client = Client(app["url"], verbose=False)
-    job = client.submit("Cancelled: tell me a long story", "all", "all", api_name="/send")
+    job = client.submit("Cancelled: tell me a long story", api_name="/send")
     streaming(job)
     job.cancel()
     session = session_of(app, "Cancelled: tell me a long story")
@@ -351,21 +351,21 @@ def test_a_cancelled_call_stops_the_reply_and_the_app_goes_on(app):
     time.sleep(0.5)
     assert len(session.history[-1]["content"]) == length < 2000  # it stopped growing
     short_replies(client)
-    chat = texts(client.predict("And now?", "all", "all", api_name="/send")[1])
+    chat = texts(client.predict("And now?", api_name="/send")[2])
     assert [c for c in chat if c[0] == "user"] == [("user", "Cancelled: tell me a long story"), ("user", "And now?")]
 
 
 def test_two_tabs_at_once_each_stop_only_their_own(app):
     # one reply at a time: the second tab's waits in the queue
     a, b = Client(app["url"], verbose=False), Client(app["url"], verbose=False)
-    job_a = a.submit("Tab A speaking", "all", "all", api_name="/send")
+    job_a = a.submit("Tab A speaking", api_name="/send")
     streaming(job_a)
-    job_b = b.submit("Tab B speaking", "all", "all", api_name="/send")
+    job_b = b.submit("Tab B speaking", api_name="/send")
     a.predict(api_name="/stop")
-    chat_a = job_a.result(timeout=15)[1]
+    chat_a = job_a.result(timeout=15)[2]
     streaming(job_b)  # A's Stop did not stop B
     b.predict(api_name="/stop")
-    chat_b = job_b.result(timeout=15)[1]
+    chat_b = job_b.result(timeout=15)[2]
     assert [r for r, _ in texts(chat_a)] == [r for r, _ in texts(chat_b)] == ["user", "assistant"]
     assert text_of(chat_a[0]) == "Tab A speaking" and text_of(chat_b[0]) == "Tab B speaking"
     for name, chat in (("A", chat_a), ("B", chat_b)):
@@ -377,29 +377,27 @@ def test_out_of_memory_in_the_app_ends_the_reply_with_a_message(app):
     client = Client(app["url"], verbose=False)
     short_replies(client)
     app["oom"].at_call(5, decode=True)  # five tokens stream, the fifth fails to go into the cache
-    job = client.submit("Out of memory soon", "all", "all", api_name="/send")
-    chat = texts(job.result()[1])
+    job = client.submit("Out of memory soon", api_name="/send")
+    chat = texts(job.result()[2])
     shown = warnings_of(job)
     assert any("out of memory" in w for w in shown), shown
     assert chat[0] == ("user", "Out of memory soon") and chat[1][0] == "assistant" and chat[1][1]
     assert session_of(app, "Out of memory soon").history[-1]["content"] == chat[1][1]  # what it showed, kept
-    chat = texts(client.predict("Next one", "all", "all", api_name="/send")[1])
+    chat = texts(client.predict("Next one", api_name="/send")[2])
     assert chat[2] == ("user", "Next one") and chat[3][0] == "assistant"
 
 
 def test_out_of_memory_reading_a_message_keeps_it_in_the_box(app):
     client = Client(app["url"], verbose=False)
     short_replies(client)
-    before = texts(client.predict("Hello", "all", "all", api_name="/send")[1])
+    before = texts(client.predict("Hello", api_name="/send")[2])
     app["oom"].at_call(1)
-    job = client.submit("A message too big for memory", "all", "all", api_name="/send")
+    job = client.submit("A message too big for memory", api_name="/send")
     result = job.result()
     shown = warnings_of(job)
     assert any("out of memory" in w for w in shown), shown
-    # the message is taken back from the chat; putting its text back in the box is the UI's job
-    # (ui.py reads GenerationError.unsent), not checked here while the UI clears the box on send
-    assert texts(result[1]) == before
-    assert texts(client.predict("Smaller", "all", "all", api_name="/send")[1])[2] == ("user", "Smaller")
+    assert result[0] == "A message too big for memory" and texts(result[2]) == before
+    assert texts(client.predict("Smaller", api_name="/send")[2])[2] == ("user", "Smaller")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,14 +429,14 @@ def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
         wait_until_up(url, proc, log)
         client = Client(url, verbose=False)
         short_replies(client)
-        client.predict("First turn: a lighthouse.", "all", "all", api_name="/send")
-        finished = texts(client.predict("Second turn: its keeper.", "all", "all", api_name="/send")[1])
-        client.predict("", 0.7, 0.9, 2048, "all", "all", api_name="/sampling")  # a long third reply
-        job = client.submit("Third turn: the storm.", "all", "all", api_name="/send")
+        client.predict("First turn: a lighthouse.", api_name="/send")
+        finished = texts(client.predict("Second turn: its keeper.", api_name="/send")[2])
+        client.predict("", 0.7, 0.9, 2048, api_name="/sampling")  # a long third reply
+        job = client.submit("Third turn: the storm.", api_name="/send")
         streaming(job)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        seen = texts(job.outputs()[-1][1])
+        seen = texts(job.outputs()[-1][2])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -449,8 +447,8 @@ def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
     restarted_model, restarted_tok = load_model(model_dir, device="cpu")
     with live_app(data, restarted_model, restarted_tok, cache=EVICTING) as (new_url, _):
         tab = Client(new_url, verbose=False)
-        (session_id,) = [c[0] for c in tab.predict(api_name="/saved_sessions")["choices"]]
-        chat = texts(tab.predict(session_id, "all", "all", api_name="/restore")[0])
+        (session_id,) = [c[1] for c in tab.predict(api_name="/saved_sessions")["choices"]]
+        chat = texts(tab.predict(session_id, api_name="/restore")[1])
         assert chat[:4] == finished  # every finished turn, word for word
         assert chat[4] == ("user", "Third turn: the storm.")  # and the message that was being answered
         if len(chat) > 5:  # a partial reply saved while it streamed: a prefix of the same reply
@@ -458,7 +456,7 @@ def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
             assert partial.startswith(shown) or shown.startswith(partial)
         short_replies(tab)
         action = "/continue" if len(chat) > 5 else "/regenerate"  # finish the interrupted reply
-        chat = texts(tab.predict("all", "all", api_name=action)[0])
+        chat = texts(tab.predict(api_name=action)[1])
         assert chat[:4] == finished and chat[4] == ("user", "Third turn: the storm.") and chat[5][0] == "assistant"
-        chat = texts(tab.predict("Fourth turn.", "all", "all", api_name="/send")[1])
+        chat = texts(tab.predict("Fourth turn.", api_name="/send")[2])
         assert chat[:4] == finished and chat[6] == ("user", "Fourth turn.") and chat[7][0] == "assistant"

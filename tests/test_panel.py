@@ -1,17 +1,19 @@
 """panel: what the live panel shows, from a real session's ledger and cache."""
 
+import copy
 import re
 
 import pytest
 
 from h2o_chat import ChatSession, panel
+from tests.conftest import make_tiny_chat
 
 TURNS = ["Hello <b>there</b>!", "Tell me a story about a lighthouse.", "Make it shorter.", "Who is the hero?"]
 
 
-@pytest.fixture
-def session(tiny_chat):
-    model, tok = tiny_chat
+@pytest.fixture(scope="module")
+def session():
+    model, tok = make_tiny_chat()
     s = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16),
                     temperature=0, max_new_tokens=20)
     for text in TURNS * 3:
@@ -63,13 +65,79 @@ def test_top_heavy_hitters_are_heavy_and_sorted(session):
 
 def test_memory_rows_and_stats(session):
     rows = panel.memory_rows(session.turn_stats)
-    h2o = [r for r in rows if r["series"] == "H2O cache"]
-    full = [r for r in rows if r["series"] == "full cache"]
-    assert len(h2o) == len(full) == len(TURNS) * 3
-    assert h2o[-1]["slots"] == 48 and full[-1]["slots"] == session.stats["tokens_seen"]
+    this = [r for r in rows if r["cache"] == "this cache"]
+    full = [r for r in rows if r["cache"] == "a full cache"]
+    assert len(this) == len(full) == len(TURNS) * 3 + 1  # every reply, and the origin
+    assert this[-1]["slots per head"] == 48 and full[-1]["slots per head"] == session.stats["tokens_seen"]
     text = panel.stats_markdown(session.stats, session.ledger.retention(session.cache))
     assert f"{session.stats['tokens_seen']:,}** tokens seen" in text and "saved" in text
-    assert "heavy hitters" in panel.legend_html()
+    assert "heavy hitters" in panel.legend_html("h2o") and ">kept<" in panel.legend_html("h2o")
+
+
+def test_points_from_before_a_replay_or_undo_are_dropped():
+    point = lambda n, kv: {"tokens_seen": n, "kv_bytes": kv, "full_kv_bytes": 2 * n, "slots_used": n}  # noqa: E731
+    rows = panel.memory_rows([point(10, 10), point(40, 30), point(20, 20), point(50, 30)])
+    assert [r["tokens seen"] for r in rows if r["cache"] == "this cache"] == [0, 10, 40, 50]
+
+
+def test_one_point_has_a_readable_scale():
+    rows = panel.memory_rows([{"tokens_seen": 57, "kv_bytes": 2.504883 * 2**20, "full_kv_bytes": 3 * 2**20,
+                               "slots_used": 48}])
+    assert panel.chart_limits(rows, "tokens seen") == [0, pytest.approx(57 * 1.15)]
+    assert rows[2]["KV MiB"] == 2.505  # rounded, not 2.504883 as a raw tick
+    assert rows[0]["tokens seen"] == 0 and rows[0]["KV MiB"] == 0  # a line from the origin, not a lone point
+
+
+@pytest.mark.parametrize("policy, absent", [("sink", "H2O keeps"), ("window", "heavy hitters"), ("full", "evicts")])
+def test_every_sentence_fits_the_policy(policy, absent):
+    legend = panel.legend_html(policy)
+    assert absent not in legend
+    if policy != "h2o":
+        assert "st-heavy" not in legend  # no colour for a status this policy never shows
+
+
+def test_a_layer_with_all_heads_shows_that_layers_union(session):
+    ret = session.ledger.retention(session.cache)
+    page = panel.token_map(session.ledger, ret, layer=1)
+    kept_shown = {int(m) for m in re.findall(r'class="tok st-(?!evicted)[a-z]+" data-i="(\d+)"', page)}
+    ids = session.cache.token_ids(1)[0]
+    assert kept_shown == set(ids.flatten().tolist())  # every token some head of layer 1 keeps, no other
+    assert "Layer 1, all" in page
+
+
+def test_counts_and_heavy_table_follow_the_view(session):
+    ret = session.ledger.retention(session.cache)
+    one = panel.counts(ret, layer=0, head=1)
+    assert sum(n for s, n in one.items() if s != "evicted") == 48  # exactly one head's slots
+    rows = panel.top_heavy(session.ledger, ret, layer=0, head=1, k=50)
+    held = set(session.cache.token_ids(0)[0, 1].tolist())
+    assert rows and all(r["index"] in held and r["heads"] == "1/1" for r in rows)
+    assert "In layer 0, head 1:" in panel.stats_markdown(session.stats, ret, 0, 1)
+
+
+def test_the_summary_does_not_call_every_token_heavy(session):
+    ret = session.ledger.retention(session.cache)
+    statuses = panel.token_statuses(ret)
+    share = ret["kept"].float().mean(dim=(0, 1))
+    for t, (status, _) in enumerate(statuses):
+        if status == "heavy":
+            assert share[t] >= 0.5  # most heads agree; a token a few heads hold shows as "kept"
+
+
+def test_the_retention_map_has_one_row_per_layer_and_shows_the_pattern(session):
+    from io import BytesIO
+
+    from PIL import Image
+
+    ret = session.ledger.retention(session.cache)
+    image = Image.open(BytesIO(panel.retention_png(ret)))
+    n_layers, _, n = ret["kept"].shape
+    assert image.size == (min(n, panel.MAP_COLUMNS), n_layers * panel.MAP_ROW_PX)
+    pixels = image.convert("L").load()
+    first, last, row = pixels[0, 0], pixels[image.size[0] - 1, 0], 0
+    assert first < 100 and last < 100  # sinks and the recent window: kept by every head (dark)
+    assert max(pixels[x, row] for x in range(image.size[0])) == 255  # somewhere evicted by every head (white)
+    assert "layer 0 → " in panel.retention_map_html(ret) and "token position 0 → " in panel.retention_map_html(ret)
 
 
 def test_the_map_shows_the_tokens_its_retention_was_read_for(session):
@@ -77,7 +145,8 @@ def test_the_map_shows_the_tokens_its_retention_was_read_for(session):
     # between reading the cache and drawing the map, and the map draws what was read
     ret = session.ledger.retention(session.cache)
     n = len(session.ledger)
-    session.ledger.append([1, 2, 3], ["a", "b", "c"], "assistant", 99)
-    page = panel.token_map(session.ledger, ret)
+    ledger = copy.deepcopy(session.ledger)
+    ledger.append([1, 2, 3], ["a", "b", "c"], "assistant", 99)
+    page = panel.token_map(ledger, ret)
     shown = shown_indices(page)
     assert len(shown) + folded_count(page) == n and max(shown) < n

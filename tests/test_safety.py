@@ -180,7 +180,7 @@ def test_auth_refuses_clients_without_the_login(guarded, auth):
 
 def test_auth_lets_the_login_in(guarded):
     client = Client(guarded + "/", auth=("alice", "s3cret"), verbose=False)
-    assert texts(client.predict("hi", "all", "all", api_name="/send")[1])[0] == ("user", "hi")
+    assert texts(client.predict("hi", api_name="/send")[2])[0] == ("user", "hi")
     assert "secret-session" in str(client.predict(api_name="/saved_sessions"))
 
 
@@ -237,7 +237,7 @@ def test_the_app_restores_only_listed_sessions(tmp_path):
         client.predict(api_name="/saved_sessions")
         for session_id in ("../outside", "/etc/passwd", "..\\outside"):
             with pytest.raises(AppError, match="not in the list of choices"):
-                client.predict(session_id, "all", "all", api_name="/restore")
+                client.predict(session_id, api_name="/restore")
 
 
 # ---------------------------------------------------------------------------------------------

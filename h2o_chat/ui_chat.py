@@ -1,0 +1,210 @@
+"""The chat column: the Chatbot with its own per-message actions (edit, retry, undo, copy and a
+Pin / Unpin flag), the message box (Enter sends, Shift+Enter makes a new line), Stop, Continue
+and New chat, and the callbacks that stream a reply into the tab.
+
+Sending is two steps: in the browser, Enter moves the text out of the box at once (no server
+round trip, so nothing typed after Enter is lost), then `reply` streams on the server and
+never touches the box again, except to put back a message the session refuses (with a warning).
+"""
+
+import time
+from dataclasses import dataclass
+
+import gradio as gr
+
+from .ui_state import PANEL_EVERY_S, chat_view, warn
+
+PIN, UNPIN = "Pin (never evict)", "Unpin"
+# runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
+# box as it was when Enter went down (assets/app.js); keys typed since then stay in the box.
+SEND_JS = """(text) => {
+  const box = document.querySelector('#message textarea');
+  const sent = box && box.dataset.sent !== undefined ? box.dataset.sent : text;
+  if (box) delete box.dataset.sent;
+  const now = box ? box.value : '';
+  return [sent, now.startsWith(sent) ? now.slice(sent.length) : ''];
+}"""
+
+
+@dataclass
+class Chat:
+    chatbot: gr.Chatbot
+    text: gr.Textbox
+    send_btn: gr.Button
+    stop_btn: gr.Button
+    cont_btn: gr.Button
+    new_btn: gr.Button
+
+
+def build():
+    chatbot = gr.Chatbot(label="h2o-chat", height=520, buttons=["copy"], editable="all", elem_id="chat",
+                         feedback_options=(PIN, UNPIN), like_user_message=True, autoscroll=True)
+    text = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter makes a new line)", show_label=False,
+                      lines=1, max_lines=10, elem_id="message", autofocus=True)
+    with gr.Row():
+        send_btn = gr.Button("Send", variant="primary", elem_id="send", min_width=80)
+        stop_btn = gr.Button("Stop", elem_id="stop", min_width=80)
+        cont_btn = gr.Button("Continue", elem_id="continue", min_width=80)
+        new_btn = gr.Button("New chat", elem_id="new-chat", min_width=80)
+    return Chat(chatbot, text, send_btn, stop_btn, cont_btn, new_btn)
+
+
+def message_text(value):
+    """The text of an edited message as the Chatbot sends it (a string or typed parts)."""
+    if isinstance(value, dict):
+        value = value.get("content", value.get("text"))
+    if isinstance(value, list):
+        value = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in value)
+    return value
+
+
+def pin_wanted(liked):
+    """The Chatbot's feedback value -> pin (True) or unpin (False)."""
+    return liked in (True, PIN)
+
+
+def stream_into(tab, session, state, stream, saved):
+    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at every piece, the
+    panel at most every PANEL_EVERY_S with this reply's live TTFT and speed."""
+    started, first_at, n_first = time.perf_counter(), None, 0
+    shown = time.perf_counter()
+    yield tab.streamed(session, state, live=(None, None), saved=False)  # "waiting for the first token"
+    try:
+        for _ in stream:
+            now = time.perf_counter()
+            if first_at is None:
+                first_at, n_first = now, len(session.ledger)
+            if now - shown >= PANEL_EVERY_S:
+                shown = now
+                speed = (len(session.ledger) - n_first) / (now - first_at) if now > first_at else None
+                yield tab.streamed(session, state, live=(first_at - started, speed), saved=False)
+            else:
+                yield tab.streamed(session, state, panel=False, saved=False)
+    except ValueError as e:  # GenerationError (out of memory): what streamed stays in the chat
+        warn(e)
+    yield tab.streamed(session, state, saved=saved)
+
+
+# --- callbacks (app: ui_state.App, tab: ui.Tab) --------------------------------------------------
+def ensure_session(app, tab, session, conversation_id, progress=None):
+    """The tab's session; a tab whose server restarted has none: reopen the conversation the
+    browser remembers (a replay), or start a new one."""
+    if session is not None:
+        return session
+    if app.is_saved(conversation_id):
+        return app.open(conversation_id, progress)
+    return app.new_session()
+
+
+def reply(app, tab, message, session, conversation_id, state, progress=None):
+    """Step 2 of a send: yield (message box, *tab outputs) while the reply to `message` streams.
+    The box is left alone (gr.skip()), except that a message the session refuses (empty, too
+    long, out of memory while reading it) goes back into it."""
+    try:
+        session = ensure_session(app, tab, session, conversation_id, progress)
+        n_before = len(session.messages)
+        stream = session.send(message)
+    except ValueError as e:
+        warn(e)
+        yield (message, *tab.streamed(session, state))
+        return
+    last = None
+    for out in stream_into(tab, session, state, stream, saved=True):
+        if last is not None:
+            yield (gr.skip(), *last)
+        last = out
+    taken_back = len(session.messages) == n_before  # the session could not even read it
+    yield (message if taken_back else gr.skip(), *last)
+
+
+def send_whole(app, tab, text, session, state):
+    """Both steps in one call, for scripts (the /send route): (box, *tab outputs)."""
+    for box, *out in reply(app, tab, text, session, None, state):
+        yield ("" if isinstance(box, dict) else box, *out)  # a dict is gr.skip(): the message was taken
+
+
+def act(tab, session, state, action):
+    """Run a non-streaming action on the session; a ValueError is a warning that changes nothing."""
+    if session is None or (not session.messages):
+        warn("Nothing to do yet: send a message first.")
+        return tab.streamed(session, state, saved=False)
+    try:
+        action(session)
+    except ValueError as e:
+        warn(e)
+        return tab.streamed(session, state, saved=False)
+    return tab.streamed(session, state)
+
+
+def run_stream(tab, session, state, start):
+    """Stream what `start(session)` returns (regenerate, continue)."""
+    if session is None or not session.messages:
+        warn("Nothing to do yet: send a message first.")
+        yield tab.streamed(session, state, saved=False)
+        return
+    try:
+        stream = start(session)
+    except ValueError as e:
+        warn(e)
+        yield tab.streamed(session, state, saved=False)
+        return
+    yield from stream_into(tab, session, state, stream, saved=True)
+
+
+def edit(tab, session, state, turn, text):
+    text = message_text(text)
+    return act(tab, session, state, lambda s: s.edit(_turn(turn), text))
+
+
+def pin(tab, session, state, turn, pinned):
+    return act(tab, session, state, lambda s: s.pin(_turn(turn), pinned=pin_wanted(pinned)))
+
+
+def _turn(turn):
+    """A message index from the Chatbot (an int) or a script (anything): checked, not trusted."""
+    if isinstance(turn, (list, tuple)) and turn:
+        turn = turn[0]
+    if isinstance(turn, bool) or not isinstance(turn, (int, float)) or turn != int(turn):
+        raise ValueError(f"a message number must be a whole number, got {turn!r}")
+    return int(turn)
+
+
+def wire(app, tab, c, session, conversation_id, state):
+    """Connect the chat column's events. Every streaming event shares one concurrency slot pool."""
+    limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
+    pending = gr.Textbox(visible=False)  # the message on its way, out of the box
+
+    def step2(message, typed, session, conversation_id, state, progress=gr.Progress()):
+        for box, *out in reply(app, tab, message, session, conversation_id, state, progress):
+            if not isinstance(box, dict) and typed:  # refused: back in the box, before what was typed since
+                box = f"{box or ''}{typed}"
+            yield (box, *out)
+
+    for trigger in (c.text.submit, c.send_btn.click):
+        trigger(None, inputs=c.text, outputs=[pending, c.text], js=SEND_JS, queue=False,
+                api_visibility="private").then(
+            step2, inputs=[pending, c.text, session, conversation_id, state],
+            outputs=[c.text, *tab.streamed_outputs()], **limit, api_visibility="private", show_progress="hidden")
+    c.stop_btn.click(lambda s: s.stop() if s is not None else None, inputs=session, queue=False, api_name="stop")
+
+    def retried(session, state, data: gr.RetryData):
+        yield from run_stream(tab, session, state, lambda s: s.regenerate())
+
+    def continue_reply(session, state):
+        yield from run_stream(tab, session, state, lambda s: s.continue_reply())
+
+    def undone(session, state, data: gr.UndoData):
+        return act(tab, session, state, lambda s: s.undo())
+
+    def edited(session, state, data: gr.EditData):
+        return edit(tab, session, state, data.index, data.value)
+
+    def liked(session, state, data: gr.LikeData):
+        return pin(tab, session, state, data.index, data.liked)
+
+    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit)
+    c.chatbot.retry(retried, **io, api_visibility="private")
+    c.cont_btn.click(continue_reply, **io, api_name="continue")
+    c.chatbot.undo(undone, **io, api_visibility="private")
+    c.chatbot.edit(edited, **io, api_visibility="private")
+    c.chatbot.like(liked, **io, api_visibility="private")
