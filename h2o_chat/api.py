@@ -147,21 +147,19 @@ def read_sampling(body):
         raise ApiError(400, "logprobs and echo are not supported", "logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     sampling = asdict(Sampling())
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("repetition_penalty", "repetition_penalty"), ("seed", "seed")):
-        if body.get(theirs) is not None:
-            sampling[ours] = body[theirs]
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        if body.get(name) is not None:
+            sampling[name] = body[name]
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
     stop = body.get("stop")
     sampling["stop"] = () if stop is None else stop
     try:
-        Sampling(**sampling)
+        return asdict(Sampling(**sampling))  # as Sampling reads them: a stop string becomes a tuple of one
     except (TypeError, ValueError) as e:
         name = str(e).split(" ")[0]
         name = {"max_new_tokens": "max_tokens"}.get(name, name)
         raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"), name) from None
-    return sampling
 
 
 def read_cache(body, defaults, n_system, n_chat):
@@ -310,7 +308,7 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
                 session, _ = pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
                 job.session = session
                 open_reply = job.messages[-1]["role"] == "assistant"
-                session.configure(**job.sampling)
+                session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopText)
                 session.system_prompt = job.system_prompt
                 session.messages = [dict(m) for m in (job.messages if open_reply else job.messages[:-1])]
                 before = session.tokens_processed
@@ -319,10 +317,19 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
                 emit(("start", prompt_tokens, prompt_tokens - (session.tokens_processed - before)))
                 if job.cancelled.is_set():
                     session.stop()  # the reply ends before its first token, and the stream closes itself
+                reply = StopText(job.sampling["stop"])
                 for piece in stream:
-                    emit(("text", piece))
+                    if reply.feed(piece):
+                        emit(("text", reply.take()))
+                    if reply.hit:
+                        session.stop()  # after this token
+                if not reply.hit and reply.flush():
+                    emit(("text", reply.take()))
+                if reply.hit:  # the session's reply ran into the stop string: it keeps what the client got
+                    session.messages[-1]["content"] = (job.messages[-1]["content"] if open_reply else "") + reply.text
+                    session.autosave()
                 new_tokens = session.last_turn.new_tokens
-                stopped = new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
+                stopped = reply.hit or new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
                 emit(("end", "stop" if stopped else "length", new_tokens))
             except GenerationError as e:
                 emit(("error", ApiError(503, str(e))))
@@ -397,6 +404,38 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
             job.cancel()
 
     return router
+
+
+class StopText:
+    """OpenAI's stop strings over a stream of text pieces: the reply is the text before the
+    first stop string, and a tail that could still be the start of one is held back until it
+    cannot (so no piece of a stop string is ever sent)."""
+
+    def __init__(self, stops):
+        self.stops, self.text, self.sent, self.ready, self.hit = tuple(stops), "", 0, 0, False
+
+    def feed(self, piece):
+        """Add a piece; True when there is text to take."""
+        if self.hit:
+            return False
+        self.text += piece
+        cuts = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        if cuts:
+            self.text, self.hit = self.text[:min(cuts)], True
+            self.ready = len(self.text)
+        else:
+            hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            self.ready = len(self.text) - hold
+        return self.ready > self.sent
+
+    def flush(self):
+        """The reply has ended: what was held back is the reply's own text."""
+        self.ready = len(self.text)
+        return self.ready > self.sent
+
+    def take(self):
+        out, self.sent = self.text[self.sent:self.ready], self.ready
+        return out
 
 
 async def next_event(events, request, job):

@@ -62,6 +62,11 @@ class SessionPool:
     def __len__(self):
         return len(self._sessions)
 
+    def live(self):
+        """(session, lent) for every live session, least recently used first."""
+        with self._lock:
+            return [(s, id(s) in self._lent) for s in self._sessions]
+
     def acquire(self, kind, cache, system_prompt, messages):
         """Lend the idle session of this kind and cache setting that shares the most tokens with
         the request (a new one when none shares any). Returns (session, forked): forked is True
@@ -83,7 +88,7 @@ class SessionPool:
             else:
                 self._sessions.remove(best)
                 kept = messages_repeated(best, system_prompt, messages)
-                forked = kept < len(best.messages) - 2  # more than a regenerate or an edit of the last exchange
+                forked = kind == "chat" and kept < len(best.messages) - 2  # more than a regenerate or an edit of the last exchange
             self._sessions.append(best)
             self._lent.add(id(best))
         if forked:
