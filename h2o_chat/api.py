@@ -198,10 +198,11 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
     model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
     workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
 
-    def make_session(kind, cache):
+    def make_session(kind, cache, system_prompt):
         if kind == "text":
             return TextSession(state["model"], state["tokenizer"], cache=cache)
-        return ChatSession(state["model"], state["tokenizer"], cache=cache, data_dir=data_dir)
+        return ChatSession(state["model"], state["tokenizer"], cache=cache, system_prompt=system_prompt,
+                           data_dir=data_dir)
 
     pool = SessionPool(make_session, max_kv_mib * 2**20)
     router = APIRouter()
@@ -307,30 +308,7 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
             try:
                 session, _ = pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
                 job.session = session
-                open_reply = job.messages[-1]["role"] == "assistant"
-                session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopText)
-                session.system_prompt = job.system_prompt
-                session.messages = [dict(m) for m in (job.messages if open_reply else job.messages[:-1])]
-                before = session.tokens_processed
-                stream = session.continue_reply() if open_reply else session.send(job.messages[-1]["content"])
-                prompt_tokens = len(session.ledger)
-                emit(("start", prompt_tokens, prompt_tokens - (session.tokens_processed - before)))
-                if job.cancelled.is_set():
-                    session.stop()  # the reply ends before its first token, and the stream closes itself
-                reply = StopText(job.sampling["stop"])
-                for piece in stream:
-                    if reply.feed(piece):
-                        emit(("text", reply.take()))
-                    if reply.hit:
-                        session.stop()  # after this token
-                if not reply.hit and reply.flush():
-                    emit(("text", reply.take()))
-                if reply.hit:  # the session's reply ran into the stop string: it keeps what the client got
-                    session.messages[-1]["content"] = (job.messages[-1]["content"] if open_reply else "") + reply.text
-                    session.autosave()
-                new_tokens = session.last_turn.new_tokens
-                stopped = reply.hit or new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
-                emit(("end", "stop" if stopped else "length", new_tokens))
+                reply(session, job, emit)
             except GenerationError as e:
                 emit(("error", ApiError(503, str(e))))
             except ValueError as e:
@@ -404,6 +382,44 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
             job.cancel()
 
     return router
+
+
+def reply(session, job, emit):
+    """Everything the API asks of a ChatSession: take the request's history (the system prompt
+    is the session's own: the pool lends only sessions that have it), stream the reply through
+    StopText, emit ("start", prompt_tokens, cached_tokens) at the first text (the prompt has been
+    fed by then: the session feeds each reply token only after its text is out)."""
+    open_reply = job.messages[-1]["role"] == "assistant"
+    history = [dict(m) for m in (job.messages if open_reply else job.messages[:-1])]
+    session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopText)
+    session.messages = history
+    before = session.stats["tokens_processed"]
+    stream = session.continue_reply() if open_reply else session.send(job.messages[-1]["content"])
+    started = False
+
+    def start():
+        prompt_tokens = len(session.ledger)
+        emit(("start", prompt_tokens, prompt_tokens - (session.stats["tokens_processed"] - before)))
+        return True
+
+    text = StopText(job.sampling["stop"])
+    for piece in stream:
+        started = started or start()
+        if text.feed(piece):
+            emit(("text", text.take()))
+        if text.hit or job.cancelled.is_set():
+            session.stop()  # the reply ends after this token
+    started = started or start()
+    if not text.hit and text.flush():
+        emit(("text", text.take()))
+    if text.hit:  # the session's reply ran on into the stop string: it keeps what the client got
+        prefix = job.messages[-1]["content"] if open_reply else ""
+        session.messages = (history[:-1] if open_reply else history + [job.messages[-1]]) + [
+            {"role": "assistant", "content": prefix + text.text, "pinned": False}]
+        session.autosave()
+    new_tokens = session.last_turn.new_tokens
+    stopped = text.hit or new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
+    emit(("end", "stop" if stopped else "length", new_tokens))
 
 
 class StopText:

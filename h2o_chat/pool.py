@@ -39,7 +39,7 @@ def shared_tokens(session, system_prompt, messages):
     `messages` repeats word for word: a lower bound of the token prefix the two share, read
     from the ledger's turn of every fed token (the system prompt is turn -1)."""
     if isinstance(session, TextSession):  # one growing text: the characters it starts with
-        old, new = "".join(m["content"] for m in session.messages), "".join(m["content"] for m in messages)
+        old, new = "".join(m["content"] for m in session.history), "".join(m["content"] for m in messages)
         return len(os.path.commonprefix([old, new]))
     if session.system_prompt != system_prompt:
         return 0
@@ -48,7 +48,7 @@ def shared_tokens(session, system_prompt, messages):
 
 
 class SessionPool:
-    """make_session(kind, cache) -> a new ChatSession (kind "chat") or TextSession ("text");
+    """make_session(kind, cache, system_prompt) -> a new ChatSession (kind "chat") or TextSession ("text");
     max_kv_bytes bounds the KV memory of the idle sessions kept (a session in use is never
     dropped, so one long conversation may hold more than the bound on its own)."""
 
@@ -84,11 +84,11 @@ class SessionPool:
                     best, best_shared = session, shared  # ties: the most recently used
             forked = False
             if best is None:
-                best = self.make_session(kind, config)
+                best = self.make_session(kind, config, system_prompt)
             else:
                 self._sessions.remove(best)
                 kept = messages_repeated(best, system_prompt, messages)
-                forked = kind == "chat" and kept < len(best.messages) - 2  # more than a regenerate or an edit of the last exchange
+                forked = kind == "chat" and kept < len(best.history) - 2  # more than a regenerate or an edit of the last exchange
             self._sessions.append(best)
             self._lent.add(id(best))
         if forked:
@@ -125,7 +125,7 @@ def messages_repeated(session, system_prompt, messages):
     if session.system_prompt != system_prompt:
         return 0
     same = 0
-    for old, new in zip(session.messages, messages):
+    for old, new in zip(session.history, messages):
         if (old["role"], old["content"]) != (new["role"], new["content"]):
             break
         same += 1
