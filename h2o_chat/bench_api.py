@@ -140,21 +140,20 @@ def main(argv=None):
     for arm in args.arms.split(","):
         port = free_port()
         if arm == "h2o":
-            process, model = start_h2o(port, args.threads, args.h2o_args.split()), "SmolLM2-135M-Instruct"
+            process = start_h2o(port, args.threads, args.h2o_args.split())
         elif arm == "llamacpp":
             if not LLAMACPP_PYTHON.exists():
                 print(f"skipping llamacpp: no {LLAMACPP_PYTHON}")
                 continue
-            process, model = start_llamacpp(port, args.threads, embedded_gguf_path(), args.n_ctx), None
+            process = start_llamacpp(port, args.threads, embedded_gguf_path(), args.n_ctx)
         else:
             sys.exit(f"bench_api: unknown arm {arm!r}")
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, process)
-            if model is None:
-                import httpx
+            import httpx
 
-                model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             results["arms"][arm] = run_chat(url, model, turns, args.max_tokens)
         finally:
             process.terminate()

@@ -426,3 +426,25 @@ def test_with_a_ui_login_and_a_key_the_key_opens_the_api(app_server):
     url = app_server(["--auth", "alice:s3cret", "--api-key", "k2"])
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
     assert httpx.get(url + "/config").status_code == 401  # the UI keeps its login
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench that compares the API with llama.cpp's server (its h2o arm, on the tiny model)
+
+
+def test_bench_api_drives_a_chat_through_app_py(tmp_path):
+    from h2o_chat import bench_api
+    from tests.live import save_tiny_chat
+
+    folder = save_tiny_chat(tmp_path / "tiny")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"turns": ["First question?", "Second one?"]}) + "\n"
+                         + json.dumps({"turns": ["Third?", "Fourth?"]}) + "\n")
+    bench_api.main(["--arms", "h2o", "--turns", "3", "--max-tokens", "4", "--data", str(questions),
+                    "--h2o-args", f"--model {folder} --budget 48 --n-sink 2 --n-recent 16", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "api_vs_llamacpp.json").read_text())["arms"]["h2o"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and not any("error" in r for r in rows)
+    assert rows[0]["cached_tokens"] == 0
+    for before, after in zip(rows, rows[1:]):  # every earlier prompt and reply is served from the cache
+        assert after["cached_tokens"] == before["prompt_tokens"] + before["completion_tokens"]
+    assert (tmp_path / "api_vs_llamacpp.md").read_text().startswith("Command: `python -m h2o_chat.bench_api")
