@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the /v1 API (default: $H2O_CHAT_API_KEY; with "
                         "--auth and no key the API refuses every request)")
-    p.add_argument("--api-kv-mib", type=int, default=1024, help="KV memory of the API's idle conversations (default 1024)")
+    p.add_argument("--api-kv-mib", type=float, default=1024, help="KV memory of the API's idle conversations (default 1024)")
     return p.parse_args(argv)
 
 

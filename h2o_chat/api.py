@@ -204,7 +204,7 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
         return ChatSession(state["model"], state["tokenizer"], cache=cache, system_prompt=system_prompt,
                            data_dir=data_dir)
 
-    pool = SessionPool(make_session, max_kv_mib * 2**20)
+    pool = SessionPool(make_session, int(max_kv_mib * 2**20))
     router = APIRouter()
     router.pool = pool  # for tests and the bench: what is live
 

@@ -206,6 +206,21 @@ def test_two_conversations_interleaved_keep_their_caches(client):
             last[name] = reply
 
 
+def test_past_the_memory_bound_the_least_recently_used_conversation_is_dropped(tmp_path):
+    """Each tiny-model conversation holds 0.1875 MiB (its full 48-slot cache and three snapshots):
+    two fit in 0.5 MiB, a third drops the one used longest ago."""
+    with api_server(tmp_path, max_kv_mib=0.5) as (url, router):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
+        convs = {name: [{"role": "user", "content": f"Conversation {name} starts with a long enough message."}]
+                 for name in "ABC"}
+        for name, messages in convs.items():
+            messages.append({"role": "assistant", "content": chat(client, messages).choices[0].message.content})
+            messages.append({"role": "user", "content": "And then?"})
+        assert len(router.pool) == 2 and router.pool.kv_bytes() <= 0.5 * 2**20
+        assert cached(chat(client, convs["C"])) > 0 and cached(chat(client, convs["B"])) > 0  # kept
+        assert cached(chat(client, convs["A"])) == 0  # dropped: replayed from the start
+
+
 def test_text_completion_reuses_the_growing_prompt(client):
     prompt = "<|im_start|>user\nContinue this text please.<|im_end|>\n<|im_start|>assistant\n"
     first = client.completions.create(model="h2o-chat", prompt=prompt, max_tokens=8, temperature=0)
