@@ -151,6 +151,79 @@ def cmd_decode(args):
     write_plot(args.out, "decode-memory", rows, "seen", "kv_MiB", "method", "KV cache size vs tokens seen")
 
 
+class SyncCounter:
+    """Counts the host syncs Python code asks for while active: `.tolist()` and `.numpy()` (a
+    copy to the host); `.item()` and `bool(tensor)` reach the profiler as aten::_local_scalar_dense
+    and are counted there (see `count_ops`), so they are not counted twice here."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, self._counting(method))
+        return self
+
+    def _counting(self, method):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def count_ops(step, steps):
+    """Run `step()` `steps` times under the profiler; returns (aten ops per step, host syncs per
+    step, Counter of op names). Every aten call counts, nested ones too (a matmul that calls a
+    bmm is two), so the figure is what the dispatcher runs, not what Python wrote."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with SyncCounter() as python_syncs, profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    syncs = names["aten::_local_scalar_dense"] + python_syncs.count
+    return sum(names.values()) / steps, syncs / steps, names
+
+
+def cmd_ops(args):
+    """Ops and host syncs per decode token, after --seen tokens: a decode step is the model's
+    forward on the last token, the greedy pick, and the one `.item()` that streams the token (what
+    ChatSession does). h2o's budget is below --seen, so it evicts at every step."""
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    text = text_tokens(tokenizer, args.text, args.seen)
+    rows, counts = [], {}
+    for method in args.methods:
+        cache = make_cache(model, method, budget=args.budget)
+        with torch.no_grad():
+            token = model(text, cache=cache).logits[:, -1:].argmax(-1)
+
+            def step():
+                nonlocal token
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+                token.item()
+
+            for _ in range(2):  # warm-up: first-call paths and lazily built state
+                step()
+            ops, syncs, counts[method] = count_ops(step, args.steps)
+        rows.append({"method": method, "ops_per_token": round(ops), "syncs_per_token": round(syncs, 2)})
+    base = rows[0]
+    for row in rows:
+        row[f"added_vs_{base['method']}"] = row["ops_per_token"] - base["ops_per_token"]
+        added = counts[row["method"]] - counts[base["method"]]
+        row["most_added"] = ", ".join(f"{name[6:]} {n / args.steps:+.0f}" for name, n in added.most_common(6))
+    meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
+            "dtype": str(model.dtype), "threads": torch.get_num_threads()}
+    write_results(args.out, "ops", rows, ["method", "ops_per_token", f"added_vs_{base['method']}",
+                                          "syncs_per_token", "most_added"], meta)
+
+
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
 
@@ -502,6 +575,13 @@ def main(argv=None):
                    help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached)")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
+    p = sub.add_parser("ops", help="aten ops and host syncs per decode token (profiler)")
+    p.add_argument("--seen", type=int, default=600)
+    p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["dynamic", "h2o", "full"])
+    p.set_defaults(run=cmd_ops)
     p = sub.add_parser("batch", help="the paper's batch throughput setting (CUDA)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="llama2-7b", choices=["llama2-7b", "tiny"])

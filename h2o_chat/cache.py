@@ -9,6 +9,13 @@ Per layer it holds, for each batch row and KV head, `slots` cached tokens:
 Heads evict independently, so each head holds different tokens but the same number of them and
 the tensors stay dense. Slot order means nothing to attention; `token_ids` says who is where.
 
+Storage: two packed buffers per layer, so the fields that move together move in one scatter:
+    kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype
+    meta  [5, batch, kv_heads, capacity]  integers (int32, int64 for a float64 model): token id,
+          position, protection key (see policy.protection_key), and the bits of the float32
+          (float64) score and query count. Moves go through the integer view, so they are
+          bit-exact; arithmetic on the scores goes through a float view of the same memory.
+
 One forward step of a layer (`attend`, called from the "h2o" attention function):
     for each chunk of at most `prefill_chunk` new tokens:
         write the chunk into free slots -> attend over all slots -> add the attention mass to
@@ -17,9 +24,12 @@ Chunking inside the layer gives the same result as feeding the model chunk by ch
 layer l only depends on earlier tokens at layer l-1), yet a plain `model.generate` or
 `model(ids)` gets it for free, and no [heads, n, n] matrix of a long prompt is ever built.
 
-The decode step is the hot path. Buffers keep one spare slot (capacity budget + 1): the new
-token is written there, and after attention it is moved into the evicted slot ("cache
-replace"), so a step copies one slot per head instead of the whole cache.
+The decode step is the hot path. A bounded layer's buffers are allocated once with budget + 1
+slots and never change size. Once full, a step (`H2OLayer.decode_step`) writes the new token
+into the spare last slot, attends over all budget + 1, adds the mass, picks one victim per head
+and scatters the spare slot into it ("cache replace"): about twenty batched ops into buffers
+and views made once, no allocation, no host sync. Positions re-roll on a schedule the host
+knows (every head's span grows by at most one a step), never on a value read from the device.
 """
 
 import warnings
@@ -29,12 +39,14 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
-from .policy import Budget, CacheConfig, protected_mask, select_keep, select_victim
+from .policy import Budget, CacheConfig, protection_key, select_keep
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-FIELDS = ("keys", "values", "token_ids", "scores", "queries", "positions")
 GROWTH = 256  # slots an unbounded layer grows by
+IDS, POS, KEY, SCORE, QUERIES = range(5)  # rows of a layer's meta buffer
+N_META = 5
+INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # same width: one is a view of the other
 
 
 def rotate_half(x):
@@ -54,8 +66,15 @@ def rotate_keys(keys, delta, inv_freq):
     keys.copy_(k * angles.cos().to(k.dtype) + rotate_half(k) * angles.sin().to(k.dtype))
 
 
+def score_dtype(model_dtype):
+    return torch.promote_types(model_dtype, torch.float32)
+
+
 class H2OLayer(CacheLayerMixin):
-    """One layer's slots. Buffers have room for `capacity` slots; the first `n_slots` are live."""
+    """One layer's slots. Buffers have room for `capacity` slots; the first `n_slots` are live.
+
+    `keys`, `values`, `token_ids`, `positions`, `scores`, `queries` are views of the live slots,
+    made again only when the slot count or the buffers change (never in a steady decode step)."""
 
     is_compileable = False
     is_sliding = False
@@ -64,18 +83,31 @@ class H2OLayer(CacheLayerMixin):
         self.is_initialized = False
         self.n_seen = 0  # tokens this layer has been given, evicted or not
         self.n_slots = 0
-        self.buf = {}  # field -> [batch, kv_heads, capacity(, head_dim)]
+        self.kv = None  # [2, batch, kv_heads, capacity, head_dim]
+        self.meta = None  # [N_META, batch, kv_heads, capacity] integer
         self.pending = None  # (keys, values) handed over by update(), consumed by attend()
-
-    def __getattr__(self, field):  # layer.keys, layer.token_ids, ...: views of the live slots
-        if field in FIELDS:
-            buf = self.__dict__["buf"]
-            return buf[field][:, :, : self.n_slots] if buf else None
-        raise AttributeError(field)
+        self.pins_seen = None  # the cache's pins version the protection keys were computed for
+        self.roll_floor = 0  # no key sits at a position below this (rolling positions)
+        self.step = None  # the decode step's views and scratch buffers, made at its first run
+        self._views()
 
     @property
     def capacity(self):
-        return self.buf["keys"].shape[2] if self.buf else 0
+        return self.kv.shape[3] if self.kv is not None else 0
+
+    @property
+    def meta_f(self):
+        """The meta buffer seen as floats (the score rows)."""
+        return self.meta.view(score_dtype(self.kv.dtype))
+
+    def _views(self):
+        if self.kv is None:
+            self.keys = self.values = self.token_ids = self.positions = self.scores = self.queries = None
+            return
+        n, meta_f = self.n_slots, self.meta_f
+        self.keys, self.values = self.kv[0, :, :, :n], self.kv[1, :, :, :n]
+        self.token_ids, self.positions = self.meta[IDS, :, :, :n], self.meta[POS, :, :, :n]
+        self.scores, self.queries = meta_f[SCORE, :, :, :n], meta_f[QUERIES, :, :, :n]
 
     def lazy_initialization(self, key_states, value_states):
         self.is_initialized = True
@@ -97,55 +129,155 @@ class H2OLayer(CacheLayerMixin):
     def reset(self):
         self.__init__()
 
-    def append(self, keys, values, spare_capacity):
-        """Write n new tokens [batch, kv_heads, n, head_dim] into the next free slots."""
+    def set_buffers(self, kv, meta, n_slots):
+        self.kv, self.meta, self.n_slots, self.step = kv, meta, n_slots, None
+        self.is_initialized = kv is not None
+        self._views()
+
+    def allocate(self, capacity, like):
+        """Buffers of `capacity` slots, the live slots copied over (like: [batch, kv_heads, n, head_dim])."""
+        b, h, _, d = like.shape
+        kv = like.new_zeros(2, b, h, capacity, d)
+        meta = torch.zeros(N_META, b, h, capacity, dtype=INT_OF[score_dtype(like.dtype)], device=like.device)
+        if self.kv is not None:
+            kv[:, :, :, : self.n_slots] = self.kv[:, :, :, : self.n_slots]
+            meta[..., : self.n_slots] = self.meta[..., : self.n_slots]
+        self.set_buffers(kv, meta, self.n_slots)
+
+    def new_meta(self, b, h, n, cache):
+        """[N_META, b, h, n]: the meta of the next n tokens (scores and query counts zero)."""
+        ids = torch.arange(self.n_seen, self.n_seen + n, device=self.meta.device, dtype=self.meta.dtype)
+        meta = self.meta.new_zeros(N_META, b, h, n)
+        meta[IDS], meta[POS] = ids, ids  # new keys come rotated to their true position
+        meta[KEY] = protection_key(ids, cache.limits.n_sink, cache.pins)
+        return meta
+
+    def refresh_protection(self, cache):
+        """Pins changed: recompute the live slots' protection keys."""
+        if self.kv is not None and cache.limits is not None:
+            self.meta[KEY, :, :, : self.n_slots] = protection_key(self.token_ids, cache.limits.n_sink, cache.pins)
+        self.pins_seen = cache.pins_version
+
+    # --- the general path: a prefill chunk, or a decode step before the layer is full -------
+    def attend_chunk(self, cache, keys, values, query, scaling):
+        """keys, values [batch, kv_heads, n, head_dim], query [batch, q_heads, n, head_dim] ->
+        output [batch, n, q_heads, head_dim]. Writes the chunk, attends, scores, evicts."""
         b, h, n, d = keys.shape
-        need = self.n_slots + n
-        if need > self.capacity:
-            # bounded caches get their final size (budget + 1 spare slot) at once; unbounded
-            # ones grow 256 slots at a time instead of copying everything every step
-            grown = -(-need // GROWTH) * GROWTH
-            capacity = min(grown, spare_capacity) if spare_capacity and need <= spare_capacity else grown
-            self._reallocate(None, capacity, keys)
-        s = slice(self.n_slots, need)
-        ids = torch.arange(self.n_seen, self.n_seen + n, device=keys.device).expand(b, h, n)
-        self.buf["keys"][:, :, s] = keys
-        self.buf["values"][:, :, s] = values
-        self.buf["token_ids"][:, :, s] = ids
-        self.buf["positions"][:, :, s] = ids  # new keys come rotated to their true position
-        self.buf["scores"][:, :, s] = 0
-        self.buf["queries"][:, :, s] = 0
-        self.n_slots, self.n_seen = need, self.n_seen + n
-        self.is_initialized = True
+        budget = cache.limits.budget
+        total = self.n_slots + n
+        if self.kv is None or (budget is None and total > self.capacity):
+            # bounded layers get their final size (budget + 1 spare slot) once; unbounded ones
+            # grow 256 slots at a time instead of copying everything every step
+            self.allocate(budget + 1 if budget is not None else -(-total // GROWTH) * GROWTH, keys)
+        new_meta = self.new_meta(b, h, n, cache)
+        if total <= self.capacity:
+            s = slice(self.n_slots, total)
+            self.kv[0, :, :, s], self.kv[1, :, :, s], self.meta[..., s] = keys, values, new_meta
+            kv, meta = self.kv[:, :, :, :total], self.meta[..., :total]
+        else:  # a chunk larger than the spare room: attend over temporaries, keep into the buffers
+            kv = torch.cat((self.kv[:, :, :, : self.n_slots], torch.stack((keys, values))), dim=3)
+            meta = torch.cat((self.meta[..., : self.n_slots], new_meta), dim=3)
+        self.n_seen += n
+        meta_f = meta.view(score_dtype(keys.dtype))
+        out, probs = scoring.grouped_attention(query, kv[0], kv[1], scaling)
+        cache._add_scores(meta_f[SCORE], meta_f[QUERIES], probs)
+        evicted = budget is not None and total > budget
+        if evicted:
+            lim = cache.limits
+            protected = meta[KEY] >= self.n_seen - lim.n_recent
+            keep = select_keep(meta[IDS], cache._priority(meta[IDS], meta_f), protected, budget)
+            kept_kv = kv.gather(3, keep[None, ..., None].expand(2, -1, -1, -1, d))
+            kept_meta = meta.gather(3, keep[None].expand(N_META, -1, -1, -1))
+            self.kv[:, :, :, :budget], self.meta[..., :budget] = kept_kv, kept_meta
+            total = budget
+        self.n_slots = total
+        self._views()
+        if evicted:
+            cache._maybe_roll(self)
+        return out
 
-    def _reallocate(self, keep, capacity, like):
-        """New buffers of `capacity` slots holding the slots `keep` [batch, kv_heads, k] first
-        (None: all live slots, in place order)."""
-        b, h, d = like.shape[0], like.shape[1], like.shape[-1]
-        k = self.n_slots if keep is None else keep.shape[2]
-        score_dtype = torch.promote_types(like.dtype, torch.float32)
-        new = {
-            "keys": like.new_empty(b, h, capacity, d),
-            "values": like.new_empty(b, h, capacity, d),
-            "token_ids": torch.empty(b, h, capacity, dtype=torch.long, device=like.device),
-            "scores": torch.empty(b, h, capacity, dtype=score_dtype, device=like.device),
-            "queries": torch.empty(b, h, capacity, dtype=score_dtype, device=like.device),
-            "positions": torch.empty(b, h, capacity, dtype=torch.long, device=like.device),
-        }
-        for field, old in self.buf.items():
-            if keep is None:
-                new[field][:, :, :k] = old[:, :, :k]
-            else:
-                new[field][:, :, :k] = old.gather(2, keep if old.ndim == 3 else keep[..., None].expand(-1, -1, -1, d))
-        self.buf, self.n_slots = new, k
+    # --- the hot path: one token into a full layer -----------------------------------------
+    def _make_step(self, query, scaling):
+        """Views over the whole buffers (budget + 1 slots) and scratch buffers, made once."""
+        kv, meta, meta_f = self.kv, self.meta, self.meta_f
+        _, b, h, cap, d = kv.shape
+        group, spare = query.shape[1] // h, cap - 1
+        acc, dev = meta_f.dtype, kv.device
+        return SimpleNamespace(
+            group=group, bh=b * h,
+            spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],  # [b, h, 1, d]
+            spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:],
+            spare_ints=meta[IDS : KEY + 1, :, :, spare], spare_key=meta[KEY, :, :, spare],
+            spare_acc=meta[SCORE:, :, :, spare],
+            keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
+            ids=meta[IDS], key=meta[KEY], scores=meta_f[SCORE], queries=meta_f[QUERIES],
+            scores3=meta_f[SCORE].view(b * h, 1, cap),
+            ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
+            scale=torch.tensor(scaling, dtype=kv.dtype, device=dev),
+            one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
+            id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
+            threshold=torch.zeros((), dtype=meta.dtype, device=dev),
+            logits=kv.new_empty(b * h, group, cap), out=kv.new_empty(b * h, group, d),
+            protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
+            rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
+            is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
+            tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
+            victim=torch.empty(b, h, 1, dtype=torch.long, device=dev),
+            stage_kv=kv.new_empty(2, b, h, 1, d), stage_meta=meta.new_empty(N_META, b, h, 1),
+            index_kv=torch.empty(2, b, h, 1, d, dtype=torch.long, device=dev),
+            index_meta=torch.empty(N_META, b, h, 1, dtype=torch.long, device=dev),
+        )
 
-    def move_last_into(self, victim):
-        """Drop slot `victim` [batch, kv_heads] by moving the last live slot into it."""
-        last = self.n_slots - 1
-        for field, buf in self.buf.items():
-            index = victim[..., None] if buf.ndim == 3 else victim[..., None, None].expand(-1, -1, 1, buf.shape[-1])
-            buf.scatter_(2, index, buf[:, :, last : last + 1])
-        self.n_slots = last
+    def decode_step(self, cache, keys, values, query, scaling):
+        """One new token ([batch, kv_heads, 1, head_dim]) into a layer holding `budget` slots:
+        write it into the spare slot, attend over all, score, move the spare into the victim.
+        Returns [batch, 1, q_heads, head_dim]."""
+        s = self.step
+        if s is None:
+            s = self.step = self._make_step(query, scaling)
+        b, q_heads, _, d = query.shape
+        lim, config = cache.limits, cache.config
+        s.spare_k.copy_(keys)
+        s.spare_v.copy_(values)
+        s.spare_ints.fill_(self.n_seen)  # its id, its position, its protection key
+        if cache.is_pinned(self.n_seen):
+            s.spare_key.fill_(torch.iinfo(self.meta.dtype).max)
+        s.spare_acc.fill_(0)
+        self.n_seen += 1
+        # attention of the group's query heads, stacked as rows: [b * kvh, group, slots]
+        logits = torch.bmm(query.view(s.bh, s.group, d), s.keys_t, out=s.logits)
+        logits.mul_(s.scale)
+        probs = torch.softmax(logits, -1) if logits.dtype == s.scores.dtype else \
+            torch.softmax(logits, -1, dtype=s.scores.dtype)
+        out = torch.bmm(probs if probs.dtype == s.out.dtype else probs.to(s.out.dtype), s.values, out=s.out)
+        # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
+        if config.score == "decay":
+            s.scores3.baddbmm_(s.ones, probs, beta=config.decay)
+        else:
+            s.scores3.baddbmm_(s.ones, probs)
+        if config.score == "mean":
+            s.queries.add_(s.one)
+        # the victim: the unprotected slot of lowest priority, the older token on ties
+        s.threshold.fill_(self.n_seen - lim.n_recent)
+        torch.ge(s.key, s.threshold, out=s.protected)
+        if config.policy == "h2o":
+            priority = s.scores / s.queries.clamp(min=1) if config.score == "mean" else s.scores
+            torch.where(s.protected, s.inf, priority, out=s.rank)
+            torch.amin(s.rank, -1, keepdim=True, out=s.lowest)
+            torch.eq(s.rank, s.lowest, out=s.is_lowest)
+            torch.where(s.is_lowest, s.ids, s.id_max, out=s.tiebreak)
+        else:  # window, sink: the oldest unprotected token
+            torch.where(s.protected, s.id_max, s.ids, out=s.tiebreak)
+        torch.argmin(s.tiebreak, -1, keepdim=True, out=s.victim)
+        # cache replace: the spare slot (copied out first: a source may not alias its target)
+        s.stage_kv.copy_(s.spare_kv)
+        s.stage_meta.copy_(s.spare_meta)
+        s.index_kv.copy_(s.victim.view(1, b, -1, 1, 1))
+        self.kv.scatter_(3, s.index_kv, s.stage_kv)
+        s.index_meta.copy_(s.victim.view(1, b, -1, 1))
+        self.meta.scatter_(3, s.index_meta, s.stage_meta)
+        cache._maybe_roll(self)
+        return out.view(b, 1, q_heads, d)
 
 
 class H2OCache(Cache):
@@ -165,6 +297,7 @@ class H2OCache(Cache):
         text_config = model.config.get_text_config(decoder=True)
         check_model(text_config, self.config)
         self.pins: list[tuple[int, int]] = []
+        self.pins_version = 0  # bumped whenever pins change; layers refresh their protection keys
         self.inv_freq = model.base_model.rotary_emb.inv_freq.detach().float()
         self.max_positions = text_config.max_position_embeddings
         self._warned_positions = False
@@ -178,36 +311,40 @@ class H2OCache(Cache):
 
     # --- what users and the ledger read -------------------------------------------------------
     def token_ids(self, layer_idx):
-        """[batch, kv_heads, slots]: absolute index of the token in each slot."""
-        return self.layers[layer_idx].token_ids
+        """[batch, kv_heads, slots] long: absolute index of the token in each slot (None before
+        the layer holds anything)."""
+        ids = self.layers[layer_idx].token_ids
+        return None if ids is None else ids.long()
 
     def scores(self, layer_idx):
         """[batch, kv_heads, slots]: each slot's heavy-hitter score (what eviction ranks by)."""
-        return self._score(self.layers[layer_idx])
+        layer = self.layers[layer_idx]
+        return None if layer.kv is None else self._score(layer.scores, layer.queries)
 
     def read_slots(self, layer_idx):
         """(token_ids, scores), each [batch, kv_heads, slots], copied from one reading of the
         layer (None before it holds anything): safe while another thread feeds the cache (the
         app's panel does this), where token_ids() then scores() could see two slot counts."""
         layer = self.layers[layer_idx]
-        buf, n = layer.buf, layer.n_slots
-        if not buf:
+        kv, meta, n = layer.kv, layer.meta, layer.n_slots
+        if kv is None:
             return None
-        live = SimpleNamespace(**{field: buf[field][:, :, :n] for field in ("token_ids", "scores", "queries")})
-        return live.token_ids.clone(), self._score(live).clone()
+        meta_f = meta.view(score_dtype(kv.dtype))
+        return meta[IDS, :, :, :n].long(), self._score(meta_f[SCORE, :, :, :n], meta_f[QUERIES, :, :, :n]).clone()
 
     def positions(self, layer_idx):
-        """[batch, kv_heads, slots]: the RoPE position each cached key is rotated to."""
-        return self.layers[layer_idx].positions
+        """[batch, kv_heads, slots] long: the RoPE position each cached key is rotated to."""
+        pos = self.layers[layer_idx].positions
+        return None if pos is None else pos.long()
 
     def kv_bytes(self):
         """Bytes of keys and values held now (live slots only)."""
-        return sum(2 * layer.keys.nelement() * layer.keys.element_size() for layer in self.layers if layer.buf)
+        return sum(2 * layer.keys.nelement() * layer.keys.element_size() for layer in self.layers if layer.kv is not None)
 
     def full_kv_bytes(self):
         """Bytes a cache that never evicts would hold for the tokens seen so far."""
         per_token = sum(2 * layer.keys[0, :, :1].nelement() * layer.keys.element_size()
-                        for layer in self.layers if layer.buf)
+                        for layer in self.layers if layer.kv is not None)
         return per_token * self.get_seq_length()
 
     def slots_used(self, layer_idx=0):
@@ -216,22 +353,34 @@ class H2OCache(Cache):
 
     def snapshot(self):
         """A copy of the whole cache state (bounded by the budget, so cheap), for `restore`."""
-        layers = [(layer.n_seen, layer.n_slots, {f: b.clone() for f, b in layer.buf.items()}) for layer in self.layers]
+        layers = [(layer.n_seen, layer.n_slots, layer.roll_floor,
+                   None if layer.kv is None else (layer.kv.clone(), layer.meta.clone())) for layer in self.layers]
         return layers, list(self.pins), self.limits
 
     def restore(self, snapshot):
-        """Return to a `snapshot` (which stays valid: it can be restored again)."""
+        """Return to a `snapshot` (which stays valid: it can be restored again). Buffers of the
+        same shape are written in place, so the decode step's views stay valid."""
         layers, pins, limits = snapshot
-        for layer, (n_seen, n_slots, buf) in zip(self.layers, layers):
-            layer.n_seen, layer.n_slots, layer.pending = n_seen, n_slots, None
-            layer.buf = {f: b.clone() for f, b in buf.items()}
-            layer.is_initialized = bool(buf)
+        for layer, (n_seen, n_slots, roll_floor, buffers) in zip(self.layers, layers):
+            layer.pending = None
+            if buffers is None:
+                layer.set_buffers(None, None, 0)
+            elif layer.kv is not None and layer.kv.shape == buffers[0].shape:
+                layer.kv.copy_(buffers[0])
+                layer.meta.copy_(buffers[1])
+                layer.n_slots = n_slots
+                layer._views()
+            else:
+                layer.set_buffers(buffers[0].clone(), buffers[1].clone(), n_slots)
+            layer.n_seen, layer.roll_floor = n_seen, roll_floor
         self.pins, self.limits = list(pins), limits
+        self.pins_version += 1
 
     def reset(self):
         for layer in self.layers:
             layer.reset()
         self.pins = []
+        self.pins_version += 1
         if isinstance(self.config.budget, float):
             self.limits = None
 
@@ -249,7 +398,7 @@ class H2OCache(Cache):
                 raise ValueError(
                     f"cannot pin {end - start} more tokens: {pinned} pinned + {lim.n_sink} sinks + "
                     f"{lim.n_recent} recent would exceed the budget of {lim.budget} slots")
-        self.pins = pins
+        self._set_pins(pins)
 
     def set_pins(self, ranges):
         """Replace every pin with these absolute [start, end) ranges, checked as `protect` checks
@@ -261,13 +410,22 @@ class H2OCache(Cache):
             for start, end in ranges:
                 self.protect(start, end)
         except ValueError:
-            self.pins = old
+            self._set_pins(old)
             raise
 
     def unprotect(self, start, end):
         if (start, end) not in self.pins:
             raise ValueError(f"unprotect: [{start}, {end}) is not pinned")
-        self.pins.remove((start, end))
+        pins = list(self.pins)
+        pins.remove((start, end))
+        self._set_pins(pins)
+
+    def _set_pins(self, pins):
+        self.pins = pins
+        self.pins_version += 1
+
+    def is_pinned(self, token):
+        return any(start <= token < end for start, end in self.pins)
 
     # --- the transformers Cache interface ---------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -295,17 +453,13 @@ class H2OCache(Cache):
         layer = self.layers[layer_idx]
         keys, values = layer.pending
         layer.pending = None
+        if layer.pins_seen != self.pins_version:
+            layer.refresh_protection(self)
         n, chunk = keys.shape[2], self.config.prefill_chunk
-        budget = self.limits.budget
-        spare = budget + 1 if budget is not None else None
-        outs = []
-        for s in range(0, n, chunk):
-            layer.append(keys[:, :, s : s + chunk], values[:, :, s : s + chunk], spare)
-            out, probs = scoring.grouped_attention(query[:, :, s : s + chunk], layer.keys, layer.values, scaling)
-            self._add_scores(layer, probs)
-            if budget is not None and layer.n_slots > budget:
-                self._evict(layer)
-            outs.append(out)
+        if n == 1 and layer.n_slots == self.limits.budget:
+            return layer.decode_step(self, keys, values, query, scaling)
+        outs = [layer.attend_chunk(self, keys[:, :, s : s + chunk], values[:, :, s : s + chunk],
+                                   query[:, :, s : s + chunk], scaling) for s in range(0, n, chunk)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def reorder_cache(self, beam_idx):
@@ -315,11 +469,11 @@ class H2OCache(Cache):
         raise NotImplementedError("H2OCache cannot be cropped: evicted tokens are gone")
 
     # --- scoring and eviction ----------------------------------------------------------------
-    def _add_scores(self, layer, probs):
-        """probs [batch, kv_heads, group, n, slots]: the newest n slots are this chunk's tokens."""
+    def _add_scores(self, scores, queries, probs):
+        """probs [batch, kv_heads, group, n, slots]: the newest n slots are this chunk's tokens;
+        scores and queries [batch, kv_heads, slots], added to in place."""
         mass = probs.sum(dim=2)  # [b, kvh, n, slots]: the GQA group's query heads add up
         n, slots = mass.shape[-2], mass.shape[-1]
-        scores = layer.scores
         if self.config.score == "decay":
             # each query row first decays what came before it: chunking does not change the result
             d = self.config.decay
@@ -330,44 +484,36 @@ class H2OCache(Cache):
         if self.config.score == "mean":
             seen_by = torch.full((slots,), n, dtype=torch.float32, device=mass.device)
             seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=mass.device)
-            layer.queries.add_(seen_by)
+            queries.add_(seen_by)
 
-    def _score(self, layer):
-        return layer.scores / layer.queries.clamp(min=1) if self.config.score == "mean" else layer.scores
+    def _score(self, scores, queries):
+        return scores / queries.clamp(min=1) if self.config.score == "mean" else scores
 
-    def _priority(self, layer):
-        return self._score(layer) if self.config.policy == "h2o" else layer.token_ids  # window, sink: newest
+    def _priority(self, token_ids, meta_f):
+        """What eviction ranks by: the score for h2o, recency for window and sink (newest kept)."""
+        if self.config.policy == "h2o":
+            return self._score(meta_f[SCORE], meta_f[QUERIES])
+        return token_ids
 
-    def _evict(self, layer):
-        lim = self.limits
-        protected = protected_mask(layer.token_ids, layer.n_seen, lim.n_sink, lim.n_recent, self.pins)
-        priority = self._priority(layer)
-        if layer.n_slots == lim.budget + 1:
-            victim = select_victim(layer.token_ids, priority, protected)
-            layer.move_last_into(victim)
-        else:
-            keep = select_keep(layer.token_ids, priority, protected, lim.budget)
-            layer._reallocate(keep, lim.budget + 1, layer.keys)
-        if self.config.positions == "rolling":
-            self._roll(layer)
+    def _maybe_roll(self, layer):
+        """Re-lay every head's keys at contiguous positions ending right before the next query,
+        once the oldest key could be more than `roll_span` positions behind it.
 
-    def _roll(self, layer):
-        """Re-lay the keys of each head whose oldest key is more than `roll_span` positions behind
-        the next query at contiguous positions ending right before it.
-
-        Re-rotating every step would keep distances within the budget exactly, but costs a pass
-        over the whole cache per token and rounds each key once per step (drift in bf16). Doing
-        it when the span reaches twice the budget costs one pass per ~budget tokens, and no
-        distance the model sees exceeds 2 x budget (nor the trained context)."""
-        span = layer.n_seen - layer.positions.amin(dim=-1)  # [b, kvh]
-        stale = span > self.roll_span
-        if not stale.any():
+        The host decides, without reading the device: after a re-lay no key sits below
+        `roll_floor` (before any, 0), and each step the span can grow by at most one. With sinks
+        the bound is exact (the sink is the oldest key, never evicted); without, a re-lay can
+        come earlier than needed, which keeps the guarantee. Re-rotating every step would keep
+        distances within the budget exactly, but costs a pass over the whole cache per token and
+        rounds each key once per step (drift in bf16). Doing it when the span reaches twice the
+        budget costs one pass per ~budget tokens, and no distance the model sees exceeds
+        2 x budget (nor the trained context)."""
+        if self.config.positions != "rolling" or layer.n_seen - layer.roll_floor <= self.roll_span:
             return
         rank = layer.token_ids.argsort(dim=-1).argsort(dim=-1)
         target = layer.n_seen - layer.n_slots + rank
-        delta = torch.where(stale[..., None], target - layer.positions, 0)
-        rotate_keys(layer.keys, delta, self._inv_freq(layer.keys))
-        layer.positions.add_(delta)
+        rotate_keys(layer.keys, target - layer.positions, self._inv_freq(layer.keys))
+        layer.positions.copy_(target)
+        layer.roll_floor = layer.n_seen - layer.n_slots
 
     def _set_limits(self, limits):
         self.limits = limits

@@ -124,16 +124,27 @@ class Budget:
         return 0 if self.budget is None else self.budget - self.n_sink - self.n_recent
 
 
+def protection_key(slot_token_ids, n_sink, pins=()):
+    """[batch, kv_heads, slots], the slot token ids' dtype: what a slot's protection is decided by.
+    A slot is protected while `key >= n_seen - n_recent`: the key is the token id (so it leaves
+    the recent window as the conversation moves on) or, for sinks and pinned tokens, the dtype's
+    largest value (protected for good). Kept beside each slot, it makes the per-step test one
+    comparison with one number.
+
+    pins: list of absolute [start, end) token ranges."""
+    fixed = slot_token_ids < n_sink
+    for start, end in pins:
+        fixed |= (slot_token_ids >= start) & (slot_token_ids < end)
+    return torch.where(fixed, torch.iinfo(slot_token_ids.dtype).max, slot_token_ids)
+
+
 def protected_mask(slot_token_ids, n_seen, n_sink, n_recent, pins=()):
     """[batch, kv_heads, slots] bool: slots that must be kept whatever their score.
 
     n_seen: tokens seen so far (the newest token's index is n_seen - 1);
     pins: list of absolute [start, end) token ranges.
     """
-    keep = (slot_token_ids < n_sink) | (slot_token_ids >= n_seen - n_recent)
-    for start, end in pins:
-        keep |= (slot_token_ids >= start) & (slot_token_ids < end)
-    return keep
+    return protection_key(slot_token_ids, n_sink, pins) >= n_seen - n_recent
 
 
 def select_keep(slot_token_ids, priority, protected, budget):
@@ -156,4 +167,4 @@ def select_victim(slot_token_ids, priority, protected):
     top = torch.inf if priority.is_floating_point() else torch.iinfo(priority.dtype).max
     key = torch.where(protected, top, priority)
     is_min = key == key.amin(dim=-1, keepdim=True)
-    return torch.where(is_min, slot_token_ids, torch.iinfo(torch.long).max).argmin(dim=-1)
+    return torch.where(is_min, slot_token_ids, torch.iinfo(slot_token_ids.dtype).max).argmin(dim=-1)

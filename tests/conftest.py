@@ -13,9 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from h2o_chat.model import default_model_folder, load_model
 
 
-def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, vocab_size=128, **overrides):
+def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, vocab_size=128, kv_heads=2,
+                    **overrides):
+    """kv_heads=1 gives the single-KV-head (MQA) variant."""
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+                         num_key_value_heads=kv_heads, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype).eval()

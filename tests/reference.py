@@ -42,6 +42,7 @@ class ReferenceH2O:
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.inv_freq = self.model.model.rotary_emb.inv_freq.float()
         self.n_seen = 0
+        self.roll_floor = 0  # rolling: no key sits below this position (0 until the first re-lay)
         self.entries = None  # [layer][batch][kv_head] -> list[Entry]
 
     def rope(self, x, position):
@@ -101,10 +102,23 @@ class ReferenceH2O:
             hidden = hidden + attn.o_proj(out.reshape(b, n, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         self.n_seen += n
+        # rolling: once the oldest key *could* be more than twice the budget (or the trained
+        # context) behind the next query, every head's keys are laid at contiguous positions
+        # ending right before it. "Could": the bound the host knows without looking (the floor
+        # left by the last re-lay; a span grows by at most one a token), as H2OCache decides it.
+        evicting = self.budget is not None and len(self.entries[0][0][0]) > self.budget
+        roll_span = min(2 * (self.budget or 0), self.model.config.max_position_embeddings)
+        roll = self.positions == "rolling" and evicting and self.n_seen - self.roll_floor > roll_span
         for li in range(self.n_layers):
             for bi in range(b):
                 for kh in range(self.n_kv):
-                    self.entries[li][bi][kh] = self._evict(self.entries[li][bi][kh])
+                    kept = self._evict(self.entries[li][bi][kh])
+                    if roll:
+                        for rank, e in enumerate(sorted(kept, key=lambda e: e.token_id)):
+                            e.position = self.n_seen - len(kept) + rank
+                    self.entries[li][bi][kh] = kept
+        if roll:
+            self.roll_floor = self.n_seen - self.budget
         return self.model.lm_head(m.norm(hidden))
 
     def priority(self, e):
@@ -124,12 +138,6 @@ class ReferenceH2O:
         kept = [e for e in entries if protected(e)]
         rest = sorted((e for e in entries if not protected(e)), key=lambda e: (self.priority(e), e.token_id), reverse=True)
         kept += rest[: self.budget - len(kept)]
-        # rolling: once the oldest key is more than twice the budget (or the trained context)
-        # behind the next query, lay the keys at contiguous positions ending right before it
-        roll_span = min(2 * self.budget, self.model.config.max_position_embeddings)
-        if self.positions == "rolling" and self.n_seen - min(e.position for e in kept) > roll_span:
-            for rank, e in enumerate(sorted(kept, key=lambda e: e.token_id)):
-                e.position = self.n_seen - len(kept) + rank
         return kept
 
     # what the tests compare

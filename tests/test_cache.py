@@ -48,16 +48,30 @@ def run_both(model, cache, ref, prompt, steps, check):
         check(logits, ref_logits)
 
 
+# the single-KV-head (MQA) model, batch 1 and 2: one head's slots are a dense block of the buffer
+MQA_CASES = [(policy, "sum", positions, batch) for policy in ("h2o", "sink") for positions in POSITIONS
+             for batch in (1, 2)]
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("policy,score", POLICY_SCORES)
 def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score, positions):
-    model = tiny_llama64
+    check_against_reference(tiny_llama64, policy, score, positions, batch=2)
+
+
+@pytest.mark.parametrize("policy,score,positions,batch", MQA_CASES)
+def test_single_kv_head_same_as_reference(policy, score, positions, batch):
+    check_against_reference(make_tiny_llama(torch.float64, kv_heads=1), policy, score, positions, batch)
+
+
+def check_against_reference(model, policy, score, positions, batch):
+    kv_heads = model.config.num_key_value_heads
     cache = H2OCache(model, policy=policy, budget=12, n_sink=2, n_recent=4, score=score, positions=positions,
                      prefill_chunk=5)
     lim = cache.limits
     ref = ReferenceH2O(model, policy=policy, budget=lim.budget, n_sink=lim.n_sink, n_recent=lim.n_recent,
                        score=score, positions=positions, prefill_chunk=5)
-    prompt = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(2))
+    prompt = torch.randint(0, 128, (batch, 23), generator=torch.Generator().manual_seed(2))
 
     def check(logits, ref_logits):
         # float64 throughout except RoPE angles, which transformers computes in float32
@@ -65,8 +79,8 @@ def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score,
         torch.testing.assert_close(logits, ref_logits, atol=1e-6, rtol=1e-6)
         for layer in range(2):
             ids, scores = cache.token_ids(layer), cache.scores(layer)
-            for b in range(2):
-                for h in range(2):
+            for b in range(batch):
+                for h in range(kv_heads):
                     assert sorted(ids[b, h].tolist()) == ref.kept(layer, b, h), (layer, b, h)
                     ref_scores = ref.scores(layer, b, h)
                     want = torch.tensor([ref_scores[t] for t in ids[b, h].tolist()])
@@ -116,6 +130,26 @@ def test_memory_is_bounded_over_1000_tokens(tiny_llama):
     for layer in cache.layers:
         assert layer.keys.shape == (1, 2, 64, 16) and layer.values.shape == (1, 2, 64, 16)
         assert layer.capacity == 65  # the one spare slot of "cache replace", nothing that grows
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_single_kv_head_evicts_in_fp32_and_bf16(policy, dtype, batch):
+    # one KV head crashed at the first eviction (scatter from a view of its own buffer)
+    model = make_tiny_llama(dtype, kv_heads=1)
+    cache = H2OCache(model, policy=policy, budget=12, n_sink=2, n_recent=4, prefill_chunk=5)
+    prompt = torch.randint(0, 128, (batch, 9), generator=torch.Generator().manual_seed(9))
+    out = greedy(model, prompt, cache, 30)
+    assert out.sequences.shape == (batch, 39) and cache.get_seq_length() == 38
+    for layer in range(2):
+        ids = cache.token_ids(layer)
+        assert ids.shape == (batch, 1, 38 if policy == "full" else 12)
+        for row in ids[:, 0].tolist():
+            assert len(set(row)) == len(row)  # no token held twice, none lost to a bad move
+            if policy != "full":
+                assert set(range(34, 38)) <= set(row)  # the recent window
+                assert policy == "window" or {0, 1} <= set(row)  # the sinks
 
 
 @pytest.mark.parametrize("policy", ["h2o", "sink"])
