@@ -194,14 +194,13 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
     """The `/v1` routes and `/health`. api_key: required as `Authorization: Bearer KEY` on `/v1`;
     closed (the UI has a login and no key was given): `/v1` refuses every request, so the API is
     never open where the UI is not. model None: the model is still loading (503)."""
-    state = {"model": model, "tokenizer": tokenizer}
     model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
     workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
 
     def make_session(kind, cache, system_prompt):
         if kind == "text":
-            return TextSession(state["model"], state["tokenizer"], cache=cache)
-        return ChatSession(state["model"], state["tokenizer"], cache=cache, system_prompt=system_prompt,
+            return TextSession(model, tokenizer, cache=cache)
+        return ChatSession(model, tokenizer, cache=cache, system_prompt=system_prompt,
                            data_dir=data_dir)
 
     pool = SessionPool(make_session, int(max_kv_mib * 2**20))
@@ -220,7 +219,7 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
                            code="invalid_api_key")
 
     def check_ready():
-        if state["model"] is None:
+        if model is None:
             raise ApiError(503, "the model is loading; try again shortly")
 
     async def read_body(request):
@@ -249,7 +248,7 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
 
     @router.get("/health")
     async def health():
-        if state["model"] is None:
+        if model is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok", "model": model_id}
 
@@ -301,24 +300,25 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
         """The worker thread: lend a session, feed the prompt, stream the reply as events
         ("start", prompt_tokens, cached_tokens), ("text", piece), ("end", finish_reason,
         completion_tokens) or ("error", ApiError)."""
+        last = ("end", "stop", 0)
         with workers:
-            if job.cancelled.is_set():
-                return emit(("end", "stop", 0))
             session = None
             try:
-                session, _ = pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
-                job.session = session
-                reply(session, job, emit)
+                if not job.cancelled.is_set():
+                    session, _ = pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
+                    job.session = session
+                    last = reply(session, job, emit)
             except GenerationError as e:
-                emit(("error", ApiError(503, str(e))))
+                last = ("error", ApiError(503, str(e)))
             except ValueError as e:
-                emit(("error", ApiError(400, str(e))))
+                last = ("error", ApiError(400, str(e)))
             except BaseException as e:  # never leave the request waiting on a worker that died
                 emit(("error", ApiError(500, f"{type(e).__name__}: {e}")))
                 raise
             finally:
                 if session is not None:
                     pool.release(session)
+        emit(last)  # once the session and the worker are free: the client's next request finds both
 
     async def run(request, job):
         loop = asyncio.get_running_loop()
@@ -388,7 +388,8 @@ def reply(session, job, emit):
     """Everything the API asks of a ChatSession: take the request's history (the system prompt
     is the session's own: the pool lends only sessions that have it), stream the reply through
     StopText, emit ("start", prompt_tokens, cached_tokens) at the first text (the prompt has been
-    fed by then: the session feeds each reply token only after its text is out)."""
+    fed by then: the session feeds each reply token only after its text is out); returns the
+    ("end", finish_reason, completion_tokens) event."""
     open_reply = job.messages[-1]["role"] == "assistant"
     history = [dict(m) for m in (job.messages if open_reply else job.messages[:-1])]
     session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopText)
@@ -419,7 +420,7 @@ def reply(session, job, emit):
         session.autosave()
     new_tokens = session.last_turn.new_tokens
     stopped = text.hit or new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
-    emit(("end", "stop" if stopped else "length", new_tokens))
+    return "end", "stop" if stopped else "length", new_tokens
 
 
 class StopText:
