@@ -14,6 +14,7 @@ idle one is better).
 
 import os
 import threading
+import time
 import uuid
 
 from .session import ChatSession, cache_config
@@ -21,6 +22,7 @@ from .session import ChatSession, cache_config
 # a ChatSession holds its live cache and, after `send`, at most three snapshots of it (before the
 # last reply, before this exchange, after this prompt): the pool counts every session at that bound
 KV_COPIES = 4
+LENT_WAIT_S = 2.0  # how long a request waits for a busy session that shares more of it than any idle one
 
 
 class TextSession(ChatSession):
@@ -57,31 +59,40 @@ class SessionPool:
         self.max_kv_bytes = max_kv_bytes
         self._sessions = []  # least recently used first
         self._lent = set()  # ids of sessions a request holds now
-        self._lock = threading.Lock()
+        self._released = threading.Condition()  # guards the two lists; notified when a session is given back
 
     def __len__(self):
         return len(self._sessions)
 
     def live(self):
         """(session, lent) for every live session, least recently used first."""
-        with self._lock:
+        with self._released:
             return [(s, id(s) in self._lent) for s in self._sessions]
 
     def acquire(self, kind, cache, system_prompt, messages):
         """Lend the idle session of this kind and cache setting that shares the most tokens with
-        the request (a new one when none shares any). Returns (session, forked): forked is True
-        when a lent session's history is rewritten before its last exchange (a new conversation
-        that starts like an old one, an old message edited): it is then saved under a new id, so
-        the conversation it held stays in the saved list."""
+        the request (a new one when none shares any); when a lent one shares more (a swipe sent
+        right after a stop), wait up to LENT_WAIT_S for it. Returns (session, forked): forked is
+        True when a lent session's history is rewritten before its last exchange (a new
+        conversation that starts like an old one, an old message edited): it is then saved under
+        a new id, so the conversation it held stays in the saved list."""
         config = cache_config(cache)
-        with self._lock:
-            best, best_shared = None, 0
-            for session in self._sessions:
-                if id(session) in self._lent or type(session) is not _KINDS[kind] or session.cache_config != config:
-                    continue
-                shared = shared_tokens(session, system_prompt, messages)
-                if shared > best_shared or (best is not None and shared == best_shared > 0):
-                    best, best_shared = session, shared  # ties: the most recently used
+        deadline = time.monotonic() + LENT_WAIT_S
+        with self._released:
+            while True:
+                best, best_shared, lent_shared = None, 0, 0
+                for session in self._sessions:
+                    if type(session) is not _KINDS[kind] or session.cache_config != config:
+                        continue
+                    shared = shared_tokens(session, system_prompt, messages)
+                    if id(session) in self._lent:
+                        lent_shared = max(lent_shared, shared)
+                    elif shared > best_shared or (best is not None and shared == best_shared > 0):
+                        best, best_shared = session, shared  # ties: the most recently used
+                left = deadline - time.monotonic()
+                if lent_shared <= best_shared or left <= 0:
+                    break
+                self._released.wait(left)
             forked = False
             if best is None:
                 best = self.make_session(kind, config, system_prompt)
@@ -96,12 +107,13 @@ class SessionPool:
         return best, forked
 
     def release(self, session):
-        with self._lock:
+        with self._released:
             self._lent.discard(id(session))
             self._drop_over_bound()
+            self._released.notify_all()
 
     def kv_bytes(self):
-        with self._lock:
+        with self._released:
             return sum(session_kv_bytes(s) for s in self._sessions)
 
     def _drop_over_bound(self):

@@ -17,6 +17,7 @@ import app as app_main
 import h2o_chat
 from h2o_chat import ChatSession, store
 from h2o_chat.api import create_router
+from h2o_chat.pool import LENT_WAIT_S, SessionPool
 from h2o_chat.ui import CSS, build
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, never_ending
@@ -387,6 +388,30 @@ def test_a_client_that_disconnects_mid_stream_frees_the_generator(tmp_path):
         assert not any(lent for _, lent in router.pool.live())
         first = next(s for s, _ in router.pool.live() if s.messages[0]["content"] == "go on")
         assert 0 < first.last_turn.new_tokens < 100_000  # it stopped, far before its max_tokens
+
+        # stop, then swipe at once (SillyTavern): the swipe waits for the stopping reply's cache
+        stream = client.chat.completions.create(model="h2o-chat", messages=[{"role": "user", "content": "go on"}],
+                                                max_tokens=1_000_000, stream=True)
+        next(stream)
+        stream.close()
+        swipe = chat(client, [{"role": "user", "content": "go on"}], max_tokens=3)
+        assert cached(swipe) == swipe.usage.prompt_tokens
+
+
+def test_a_request_waits_briefly_for_the_busy_session_that_holds_its_history():
+    model, tokenizer = make_tiny_chat()
+    pool = SessionPool(lambda kind, cache, system: ChatSession(model, tokenizer, cache=cache, system_prompt=system),
+                       max_kv_bytes=2**30)
+    history = [{"role": "user", "content": "hello there", "pinned": False}]
+    busy, _ = pool.acquire("chat", CACHE, None, history)
+    busy.messages = [dict(m) for m in history]
+    list(busy.regenerate())  # it has fed the history (and a reply) and is still lent
+    threading.Timer(0.3, pool.release, args=(busy,)).start()
+    start = time.monotonic()
+    again, _ = pool.acquire("chat", CACHE, None, history)
+    assert again is busy and 0.2 < time.monotonic() - start < LENT_WAIT_S
+    other, _ = pool.acquire("chat", CACHE, None, history)  # lent again: after the wait, a new session
+    assert other is not busy and len(pool) == 2
 
 
 # ---------------------------------------------------------------------------------------------
