@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from . import kvpress_worker
+from . import kvpress_worker, llamacpp_worker
 from .cache import H2OCache
-from .model import load_model
+from .model import embedded_gguf_path, load_model
 from .session import ChatSession
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -120,7 +120,7 @@ def write_plot(out, name, rows, x, y, series, title, logy=False):
 def cmd_decode(args):
     """Each method prefills once per length; then timed windows of decode steps alternate between
     the methods, so machine noise hits them alike. The median window is reported."""
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     text = text_tokens(tokenizer, args.text, max(args.seen))
     rows = []
     for seen in tqdm(args.seen, desc="tokens seen"):
@@ -143,7 +143,7 @@ def cmd_decode(args):
                          "kv_MiB": round(kv_bytes(caches[m]) / 2**20, 2)})
             print(rows[-1], flush=True)
         del caches
-    meta = {"command": args.command_line, "budget": args.budget,
+    meta = {"command": args.command_line, "budget": args.budget, "dtype": str(model.dtype),
             "steps": args.steps, "repeats": args.repeats, "threads": torch.get_num_threads()}
     write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
                                              "kv_MiB"], meta)
@@ -345,8 +345,83 @@ def kvpress_dialogue_rows(args, model, worker, transcripts):
     return rows, result["versions"]
 
 
+def llamacpp_turn(server, tokenizer, history, new_tokens, n_ctx):
+    """One turn of the llama.cpp arm on its own conversation `history` (messages, its own replies),
+    rendered by our chat template into the token ids it is sent; the reply is appended. A prompt
+    the server refuses (past its context) is resent as a typical client would: the oldest turns
+    dropped until it fits. Returns the row's figures, from the server's `timings` and `usage`."""
+    ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
+    note = ""
+    try:
+        response = server.complete(ids, new_tokens)
+    except llamacpp_worker.LlamaCppError as e:
+        note = f"{len(ids)} tokens refused ({str(e)[:80]}); oldest turns dropped"
+        ids = history_ids(tokenizer, history, n_ctx - new_tokens)[0].tolist()
+        response = server.complete(ids, new_tokens)
+    history.append({"role": "assistant", "content": response["choices"][0]["text"]})
+    t, usage = response["timings"], response["usage"]
+    return {"ttft_s": t["prompt_ms"] / 1000, "decode_tok_s": t["predicted_per_second"],
+            "tokens_seen": usage["prompt_tokens"] + usage["completion_tokens"], "prefilled": t["prompt_n"],
+            "new": usage["completion_tokens"], "note": note}
+
+
+def h2o_turn(session, text):
+    for _ in session.send(text):
+        pass
+    st = session.stats
+    return {"ttft_s": st["ttft_s"], "decode_tok_s": st["tokens_per_s"], "tokens_seen": st["tokens_seen"],
+            "kv_MiB": st["kv_bytes"] / 2**20, "rss_MiB": _rss_kib("VmRSS") / 1024}
+
+
+def dialogue_vs_llamacpp(args, model, tokenizer, turns):
+    """h2o (ChatSession) and llama.cpp's server, each on its own conversation over the same user
+    turns, interleaved turn by turn so machine noise hits both alike; the whole chat --repeats
+    times, each row the median over repeats."""
+    python = llamacpp_worker.find_python(args.llamacpp or None)
+    if python is None:
+        raise SystemExit(f"--llamacpp: no llama.cpp venv found; make one with: {llamacpp_worker.MAKE_VENV}")
+    n_ctx = model.config.max_position_embeddings
+    runs = {"h2o": [], "llama.cpp": []}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with llamacpp_worker.start_server(python, embedded_gguf_path(), threads=torch.get_num_threads(),
+                                      n_ctx=n_ctx, log=Path(args.out) / "llamacpp-server.log") as server:
+        for repeat in range(args.repeats):
+            session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=args.budget, n_sink=4),
+                                  temperature=0, max_new_tokens=args.new_tokens)
+            history, per_turn = [], {"h2o": [], "llama.cpp": []}
+            for i, text in enumerate(turns, 1):
+                per_turn["h2o"].append(h2o_turn(session, text))
+                history.append({"role": "user", "content": text})
+                per_turn["llama.cpp"].append(llamacpp_turn(server, tokenizer, history, args.new_tokens, n_ctx))
+                print(repeat, i, {m: {k: v for k, v in r[-1].items()} for m, r in per_turn.items()}, flush=True)
+            for m in runs:
+                runs[m].append(per_turn[m])
+        settings = server.settings
+    rows = []
+    for i in range(len(turns)):
+        for m, reps in runs.items():
+            at = [rep[i] for rep in reps]
+            row = {"turn": i + 1, "method": m}
+            for key in ("ttft_s", "decode_tok_s", "tokens_seen", "kv_MiB", "rss_MiB", "prefilled"):
+                values = [r[key] for r in at if key in r]
+                row[key] = round(statistics.median(values), 3) if values else ""
+            row["note"] = "; ".join(dict.fromkeys(r["note"] for r in at if r.get("note")))
+            rows.append(row)
+    return rows, settings
+
+
 def cmd_dialogue(args):
     model, tokenizer = load_model(args.model)
+    if args.llamacpp is not None:
+        turns = user_turns(args.turns_file, args.turns, cycle=True)
+        rows, settings = dialogue_vs_llamacpp(args, model, tokenizer, turns)
+        meta = {"command": args.command_line, "budget": args.budget, "new_tokens": args.new_tokens,
+                "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(model.dtype),
+                "llamacpp": settings}
+        write_results(args.out, "dialogue-llamacpp", rows, ["turn", "method", "ttft_s", "decode_tok_s", "tokens_seen",
+                                                            "prefilled", "kv_MiB", "note"], meta)
+        write_plot(args.out, "dialogue-llamacpp", rows, "turn", "decode_tok_s", "method", "decode tokens/s per turn")
+        return
     turns = user_turns(args.turns_file, args.turns)
     worker = kvpress_worker.worker_for(args.kvpress_python, model, "kvpress arm") if "kvpress" in args.methods else None
     transcripts = []  # (turn, history ids) for the kvpress arm, timed in its own process after the chat
@@ -564,6 +639,10 @@ def main(argv=None):
                    help="time the naive app and kvpress at turn 1 and every N turns (they re-read the whole history)")
     p.add_argument("--kvpress-python", default=None,
                    help=f"python of the kvpress venv (or ${kvpress_worker.ENV_VAR}); without one the kvpress arm is skipped")
+    p.add_argument("--llamacpp", nargs="?", const="", default=None, metavar="PYTHON",
+                   help="h2o against llama.cpp's server (xllamacpp, in its own venv: PYTHON, $"
+                        f"{llamacpp_worker.ENV_VAR} or {llamacpp_worker.DEFAULT_PYTHON}), interleaved turn by turn")
+    p.add_argument("--repeats", type=int, default=1, help="with --llamacpp: chats run, medians reported")
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=cmd_dialogue)
     p = sub.add_parser("decode", help="decode time per token vs tokens seen")
@@ -573,6 +652,7 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--methods", type=lambda s: s.split(","), default=["full", "h2o"],
                    help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached)")
+    p.add_argument("--dtype", default="auto")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
     p = sub.add_parser("ops", help="aten ops and host syncs per decode token (profiler)")

@@ -213,11 +213,16 @@ class H2OLayer(CacheLayerMixin):
             ids=meta[IDS], key=meta[KEY], scores=meta_f[SCORE], queries=meta_f[QUERIES],
             scores3=meta_f[SCORE].view(b * h, 1, cap),
             ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
-            scale=torch.tensor(scaling, dtype=kv.dtype, device=dev),
+            scale=torch.tensor(scaling, dtype=acc, device=dev),
             one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
             id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
             threshold=torch.zeros((), dtype=meta.dtype, device=dev),
             logits=kv.new_empty(b * h, group, cap), out=kv.new_empty(b * h, group, d),
+            # softmax in at least float32, like transformers' eager attention: for a bf16 model
+            # the logits are copied up and the probabilities down, into buffers made here
+            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != kv.dtype else None,
+            probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
+            probs_low=kv.new_empty(b * h, group, cap) if acc != kv.dtype else None,
             protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
             is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
@@ -246,10 +251,11 @@ class H2OLayer(CacheLayerMixin):
         self.n_seen += 1
         # attention of the group's query heads, stacked as rows: [b * kvh, group, slots]
         logits = torch.bmm(query.view(s.bh, s.group, d), s.keys_t, out=s.logits)
+        if s.logits_acc is not None:
+            logits = s.logits_acc.copy_(logits)
         logits.mul_(s.scale)
-        probs = torch.softmax(logits, -1) if logits.dtype == s.scores.dtype else \
-            torch.softmax(logits, -1, dtype=s.scores.dtype)
-        out = torch.bmm(probs if probs.dtype == s.out.dtype else probs.to(s.out.dtype), s.values, out=s.out)
+        probs = torch.softmax(logits, -1, out=s.probs)
+        out = torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
         # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
         if config.score == "decay":
             s.scores3.baddbmm_(s.ones, probs, beta=config.decay)

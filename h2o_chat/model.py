@@ -63,7 +63,8 @@ def load_model(spec=None, *, dtype="auto", device="auto", quantization=None, dev
 
     spec: None / "default" / "smollm2" for the embedded model; a transformers folder (with
         config.json); a path to a .gguf file; or a hub id "org/name" (local HF cache first).
-    dtype: "auto" (bf16 on CUDA if supported, else fp16; fp32 on CPU), a name such as "bf16",
+    dtype: "auto" (bf16 on CUDA if supported, else fp16; on CPU bf16 with native bf16
+        instructions, avx512_bf16 or AMX, else fp32), a name such as "bf16",
         or a torch.dtype.
     device: "auto" (CUDA when available, else CPU), or anything torch.device accepts.
     quantization: None, "4bit" or "8bit" (bitsandbytes, CUDA only).
@@ -126,17 +127,39 @@ def resolve_device(device="auto") -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype="auto", device="cpu") -> torch.dtype:
-    """Map "auto" to bf16 on a GPU that supports it, else fp16 on CUDA, and fp32 elsewhere.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 CPU flags of bf16 matmul instructions
 
-    fp32 on CPU because half-precision matmuls on CPU are slow and, for fp16, lossy.
-    """
+
+def cpu_flags(cpuinfo_path="/proc/cpuinfo") -> set[str]:
+    """The CPU feature flags Linux reports (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = open(cpuinfo_path, encoding="utf-8", errors="replace").read()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def cpu_auto_dtype(flags=None) -> torch.dtype:
+    """bf16 on a CPU with native bf16 matmuls (avx512_bf16 or AMX: same quality, prefill about
+    2x faster, measured in the README); fp32 elsewhere, where bf16 is emulated and slower."""
+    flags = cpu_flags() if flags is None else set(flags)
+    return torch.bfloat16 if flags & set(NATIVE_BF16_FLAGS) else torch.float32
+
+
+def resolve_dtype(dtype="auto", device="cpu", cpu_flags=None) -> torch.dtype:
+    """Map "auto" to bf16 on a GPU that supports it, else fp16 on CUDA; on CPU to bf16 where it
+    has native bf16 (see `cpu_auto_dtype`; `cpu_flags` overrides what /proc/cpuinfo says), else
+    fp32 (fp16 matmuls on CPU are slow and lossy)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return cpu_auto_dtype(cpu_flags) if torch.device(device).type == "cpu" else torch.float32
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")

@@ -131,3 +131,49 @@ def test_evaluate_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, m
     monkeypatch.setattr(evaluate, "load_model", lambda spec: tiny_chat)
     with pytest.raises(SystemExit, match="nowhere.txt: no such file"):
         evaluate.main(["--out", str(tmp_path), *[a.format(missing=missing) for a in argv]])
+
+
+def test_bench_ops_counts_ops_and_the_one_streaming_sync(tiny_model_dir, play_text, tmp_path):
+    bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+                "ops", "--seen", "40", "--steps", "3", "--budget", "16", "--dtype", "fp32"])
+    rows = {r["method"]: r for r in read_results(tmp_path, "ops", plot=False)["rows"]}
+    assert set(rows) == {"dynamic", "h2o", "full"}
+    assert all(r["ops_per_token"] > 50 for r in rows.values())
+    # the decode step's one .item() (the token streamed) and nothing from the cache, evicting or not
+    assert rows["h2o"]["syncs_per_token"] == rows["dynamic"]["syncs_per_token"] == 1.0
+    assert rows["dynamic"]["added_vs_dynamic"] == 0
+
+
+def test_count_ops_sees_every_kind_of_host_sync():
+    import torch
+
+    x = torch.ones(3)
+
+    def step():
+        x.sum().item()  # aten::_local_scalar_dense
+        bool(x.max() > 0)  # is_nonzero -> _local_scalar_dense
+        x.tolist()  # counted by the patched method
+        x.numpy()
+
+    ops, syncs, names = bench.count_ops(step, 2)
+    assert syncs == 4 and ops > 0 and names["aten::sum"] == 2
+    assert torch.Tensor.tolist(x) == [1.0, 1.0, 1.0]  # the patch is gone afterwards
+
+
+@pytest.mark.skipif(bench.llamacpp_worker.find_python() is None, reason="no llama.cpp venv (xllamacpp)")
+def test_llamacpp_server_starts_answers_with_timings_and_refuses_past_its_context(tmp_path):
+    from h2o_chat.llamacpp_worker import LlamaCppError, find_python, start_server
+    from h2o_chat.model import embedded_gguf_path
+
+    with start_server(find_python(), embedded_gguf_path(), threads=1, n_ctx=128, log=tmp_path / "log") as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        prompt = [1, 504, 3060, 198] * 5
+        first = server.complete(prompt, 4)
+        assert first["usage"]["prompt_tokens"] == 20 and 1 <= first["usage"]["completion_tokens"] <= 4
+        assert first["timings"]["prompt_ms"] > 0 and first["timings"]["predicted_n"] >= 1
+        again = server.complete(prompt + [198, 504], 4)  # the prompt cache serves the shared prefix
+        assert again["timings"]["cache_n"] >= 19 and again["timings"]["prompt_n"] <= 3
+        with pytest.raises(LlamaCppError, match="refused"):
+            server.complete([504] * 400, 4)  # n_ctx 128 is rounded up to 256, no further
+        process = server.process
+    assert process.poll() is not None  # stopped with the block

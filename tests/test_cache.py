@@ -274,3 +274,42 @@ def test_eviction_ties_keep_the_newer_token():
 
     assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
     assert select_victim(ids, priority, protected).tolist() == [[3]]  # token 1, the oldest tie
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_full_layer_decodes_without_host_syncs_or_new_buffers(dtype):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_tiny_llama(dtype)
+    cache = H2OCache(model, policy="h2o", budget=16, n_sink=2, n_recent=4, positions="rolling")
+    token = model(torch.randint(0, 128, (1, 30)), cache=cache).logits[:, -1:].argmax(-1)
+    buffers = [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.kv.shape) for layer in cache.layers]
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(40):  # past a re-lay of the positions (every 2 x budget tokens)
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+    names = [e.name for e in prof.events()]
+    assert "aten::_local_scalar_dense" not in names and "aten::is_nonzero" not in names  # no .item(), no bool()
+    assert cache.layers[0].roll_floor > 0  # a re-lay happened inside the profiled steps
+    assert [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.kv.shape) for layer in cache.layers] == buffers
+    assert all(layer.n_slots == 16 and layer.capacity == 17 for layer in cache.layers)
+
+
+def test_snapshot_restores_into_the_same_buffers(tiny_llama64):
+    model = tiny_llama64
+    cache = H2OCache(model, policy="h2o", budget=12, n_sink=2, n_recent=4)
+
+    def decode(token, steps):
+        logits = []
+        for _ in range(steps):
+            logits.append(model(token, cache=cache).logits[:, -1])
+            token = logits[-1].argmax(-1, keepdim=True)
+        return torch.stack(logits)
+
+    model(torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(10)), cache=cache)
+    snap, ids = cache.snapshot(), [cache.token_ids(i) for i in range(2)]
+    pointer = cache.layers[0].kv.data_ptr()
+    first = decode(torch.tensor([[3]]), 20)
+    cache.restore(snap)
+    assert cache.layers[0].kv.data_ptr() == pointer  # written back in place: the step's views stay valid
+    assert all(torch.equal(a, cache.token_ids(i)) for i, a in enumerate(ids))
+    assert torch.equal(decode(torch.tensor([[3]]), 20), first)  # the same continuation from the same state

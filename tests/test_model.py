@@ -19,7 +19,7 @@ from transformers import GPT2Config
 import h2o_chat.model as model_mod
 from h2o_chat.model import (
     EMBEDDED_INSTALL, SUPPORTED_MODEL_TYPES, ModelLoadError, default_model_folder, ensure_embedded_model,
-    load_model, resolve_device, resolve_dtype, resolve_spec,
+    cpu_auto_dtype, cpu_flags, load_model, resolve_device, resolve_dtype, resolve_spec,
 )
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -180,7 +180,7 @@ def test_unknown_options():
 
 
 def test_resolve_dtype_and_device():
-    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cpu") == cpu_auto_dtype()  # what this machine's flags say
     assert resolve_dtype("bfloat16", "cpu") == resolve_dtype("bf16") == torch.bfloat16
     assert resolve_dtype("fp16") == resolve_dtype("torch.float16") == torch.float16
     assert resolve_dtype(torch.float64) == torch.float64
@@ -335,3 +335,23 @@ def test_4bit_on_cuda(tiny_model_dir):
     assert model.is_loaded_in_4bit and model.device.type == "cuda"
     enc = tokenizer("Hello", return_tensors="pt").to("cuda")
     assert model.generate(**enc, max_new_tokens=4, do_sample=False).shape[1] == enc.input_ids.shape[1] + 4
+
+
+@pytest.mark.parametrize("flags,dtype", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, torch.bfloat16),  # Cooper Lake, Zen 4
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),  # Sapphire Rapids
+    ({"avx2", "fma", "avx512f", "avx512bw"}, torch.float32),  # avx512 without bf16
+    ({"avx2", "fma"}, torch.float32),  # Zen 3, this machine's kind
+    (set(), torch.float32),  # no /proc/cpuinfo
+])
+def test_auto_dtype_is_bf16_only_on_cpus_with_native_bf16(flags, dtype):
+    assert cpu_auto_dtype(flags) == dtype
+    assert resolve_dtype("auto", "cpu", cpu_flags=flags) == dtype
+    assert resolve_dtype("fp32", "cpu", cpu_flags=flags) == torch.float32  # asked for: kept
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512_bf16\n\nprocessor\t: 1\n")
+    assert {"avx2", "avx512_bf16"} <= cpu_flags(info) and cpu_auto_dtype(cpu_flags(info)) == torch.bfloat16
+    assert cpu_flags(tmp_path / "missing") == set()
