@@ -1,5 +1,5 @@
 """`python -m h2o_chat.bench_api`: one long chat through the OpenAI API, h2o-chat's `/v1` against
-llama.cpp's server on the same GGUF (xllamacpp, in its own venv).
+llama.cpp's server on the same GGUF (xllamacpp in its own venv, started by llamacpp_worker).
 
 Each arm is a server in its own process, driven by the same client code (the `openai` client,
 streamed, greedy): every turn resends the whole history, as SillyTavern or Open WebUI do. Per
@@ -14,34 +14,17 @@ Time it alone: `flock -x /tmp/h2o-cpu.lock python -m h2o_chat.bench_api`.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-LLAMACPP_PYTHON = Path.home() / "llamacpp-venv" / "bin" / "python"
+from . import llamacpp_worker
+from .llamacpp_worker import free_port
+
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
 REPO = Path(__file__).resolve().parent.parent
-
-LLAMACPP_SERVER = """
-import sys, time, xllamacpp as x
-p = x.CommonParams()
-p.model.path, p.n_ctx, p.port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[4])
-p.n_parallel = 1
-server = x.Server(p)
-print("listening", server.listening_address, flush=True)
-while True:
-    time.sleep(3600)
-"""
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url, process, deadline_s=600):
@@ -64,11 +47,6 @@ def start_h2o(port, threads, extra):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--data-dir", tempfile.mkdtemp(), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-
-
-def start_llamacpp(port, threads, gguf, n_ctx):
-    cmd = [str(LLAMACPP_PYTHON), "-c", LLAMACPP_SERVER, str(gguf), str(n_ctx), str(port), str(threads)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def user_turns(path, n):
@@ -126,11 +104,15 @@ def main(argv=None):
     p.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp's context (default: the model's 8192)")
     p.add_argument("--data", default=str(MT_BENCH), help="MT-Bench questions (JSONL, one 'turns' list a line)")
     p.add_argument("--arms", default="h2o,llamacpp")
+    p.add_argument("--llamacpp", default=None, metavar="PYTHON", help="the llama.cpp venv's python "
+                   f"(default: ${llamacpp_worker.ENV_VAR}, else {llamacpp_worker.DEFAULT_PYTHON})")
     p.add_argument("--h2o-args", default="", help="extra app.py flags for the h2o arm, e.g. '--budget 1024'")
     p.add_argument("--out", default="results")
     args = p.parse_args(argv)
     if not Path(args.data).is_file():
         sys.exit(f"bench_api: no MT-Bench file at {args.data} (give --data)")
+    import httpx
+
     from .model import embedded_gguf_path
 
     turns = user_turns(args.data, args.turns)
@@ -138,26 +120,25 @@ def main(argv=None):
                         "turns": args.turns, "max_tokens": args.max_tokens, "threads": args.threads,
                         "n_ctx_llamacpp": args.n_ctx, "h2o_args": args.h2o_args}, "arms": {}}
     for arm in args.arms.split(","):
-        port = free_port()
         if arm == "h2o":
+            port = free_port()
             process = start_h2o(port, args.threads, args.h2o_args.split())
+            url, stop = f"http://127.0.0.1:{port}", lambda: (process.terminate(), process.wait(30))
         elif arm == "llamacpp":
-            if not LLAMACPP_PYTHON.exists():
-                print(f"skipping llamacpp: no {LLAMACPP_PYTHON}")
+            python = llamacpp_worker.find_python(args.llamacpp)
+            if python is None:
+                print(f"skipping llamacpp: no llama.cpp venv; make one with: {llamacpp_worker.MAKE_VENV}")
                 continue
-            process = start_llamacpp(port, args.threads, embedded_gguf_path(), args.n_ctx)
+            server = llamacpp_worker.start_server(python, embedded_gguf_path(), args.threads, args.n_ctx)
+            url, stop, process = server.url, server.stop, server.process
         else:
             sys.exit(f"bench_api: unknown arm {arm!r}")
-        url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, process)
-            import httpx
-
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             results["arms"][arm] = run_chat(url, model, turns, args.max_tokens)
         finally:
-            process.terminate()
-            process.wait(30)
+            stop()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "api_vs_llamacpp.json").write_text(json.dumps(results, indent=1))
