@@ -31,6 +31,10 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=str(Path.home() / ".local" / "share" / "h2o-chat"),
                    help="where sessions are autosaved")
     p.add_argument("--concurrency", type=int, default=1, help="replies generated at once across all tabs (default 1)")
+    p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on the /v1 API (default: $H2O_CHAT_API_KEY; with "
+                        "--auth and no key the API refuses every request)")
+    p.add_argument("--api-kv-mib", type=float, default=1024, help="KV memory of the API's idle conversations (default 1024)")
     return p.parse_args(argv)
 
 
@@ -60,10 +64,13 @@ def main(argv=None):
         sys.exit(f"h2o-chat: {e}")
     demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency)
     demo.queue(default_concurrency_limit=args.concurrency)
+    from h2o_chat.api import create_router
+    api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
+                        closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib)
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
-                show_error=True, ssr_mode=False)
+                show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # /v1 beside the UI
 
 
 if __name__ == "__main__":

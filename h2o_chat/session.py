@@ -326,9 +326,11 @@ class ChatSession:
         except ValueError:
             self.conversation.settings, self.timeline = old, old_timeline
             raise
-        if new.sampling != old.sampling:
+        if new.sampling != old.sampling or "seed" in sampling_fields:
+            # a seed given is a fresh start (the same seed and request give the same reply, as
+            # OpenAI's seed does); otherwise a seeded chat draws on from where it was
             sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
-            if new.sampling.seed == old.sampling.seed:  # a seeded chat draws on from where it was
+            if "seed" not in sampling_fields:
                 sampler.generator = self._sampler.generator
             self._sampler = sampler
         self.autosave()

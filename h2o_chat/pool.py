@@ -1,0 +1,147 @@
+"""Live conversations kept for stateless clients (the `/v1` API).
+
+An OpenAI client resends the whole history with every request. The pool keeps several
+ChatSessions alive and lends each request the one whose history shares the longest start with
+it; the session then feeds only what it has not seen (its own `_sync`: what agrees is kept,
+a divergence - a swipe, an edited message, a trimmed start - goes back to the latest snapshot
+that still agrees, else replays into a fresh cache). Least recently used sessions are dropped
+first once the pool's KV memory passes its bound.
+
+A session is lent to one request at a time; a second request for the same conversation while
+the first still streams gets another session (it shares less, so it is chosen only when no
+idle one is better).
+"""
+
+import os
+import threading
+import time
+
+from .render import Segment, tokenize
+from .session import ChatSession, cache_config
+
+# a ChatSession holds its live cache and, after `send`, at most three snapshots of it (before the
+# last reply, before this exchange, after this prompt): the pool counts every session at that bound
+KV_COPIES = 4
+LENT_WAIT_S = 2.0  # how long a request waits for a busy session that shares more of it than any idle one
+
+
+class TextSession(ChatSession):
+    """A session for plain text completion: its one message is the prompt, fed exactly as
+    written (special tokens in it are special tokens: it is the client's own template), and the
+    reply continues it. Everything else (reuse, snapshots, sampling, stop strings) is ChatSession's.
+    Never saved: a raw prompt is no conversation the UI could show."""
+
+    def _segments(self, add_generation_prompt=False, open_reply=True):
+        text = "".join(m.content for m in self.messages)
+        return [Segment(tokenize(self.tokenizer, text, template=True), "assistant", 0)] if text else []
+
+
+def shared_tokens(session, system_prompt, messages):
+    """How many of `session`'s fed tokens belong to messages (system prompt included) that
+    `messages` repeats word for word: a lower bound of the token prefix the two share, read
+    from the ledger's turn of every fed token (the system prompt is turn -1)."""
+    if isinstance(session, TextSession):  # one growing text: the characters it starts with
+        old, new = "".join(m["content"] for m in session.history), "".join(m["content"] for m in messages)
+        return len(os.path.commonprefix([old, new]))
+    if session.system_prompt != system_prompt:
+        return 0
+    same = messages_repeated(session, system_prompt, messages)
+    return sum(1 for t in session.ledger.turns if t < same)
+
+
+class SessionPool:
+    """make_session(kind, cache, system_prompt) -> a new ChatSession (kind "chat") or TextSession ("text");
+    max_kv_bytes bounds the KV memory of the idle sessions kept (a session in use is never
+    dropped, so one long conversation may hold more than the bound on its own)."""
+
+    def __init__(self, make_session, max_kv_bytes):
+        self.make_session = make_session
+        self.max_kv_bytes = max_kv_bytes
+        self._sessions = []  # least recently used first
+        self._lent = set()  # ids of sessions a request holds now
+        self._released = threading.Condition()  # guards the two lists; notified when a session is given back
+
+    def __len__(self):
+        return len(self._sessions)
+
+    def live(self):
+        """(session, lent) for every live session, least recently used first."""
+        with self._released:
+            return [(s, id(s) in self._lent) for s in self._sessions]
+
+    def acquire(self, kind, cache, system_prompt, messages):
+        """Lend the idle session of this kind and cache setting that shares the most tokens with
+        the request (a new one when none shares any); when a lent one shares more (a swipe sent
+        right after a stop), wait up to LENT_WAIT_S for it. Returns (session, forked): forked is
+        True when a lent session's history is rewritten before its last exchange (a new
+        conversation that starts like an old one, an old message edited): it is then saved under
+        a new id, so the conversation it held stays in the saved list."""
+        config = cache_config(cache)
+        deadline = time.monotonic() + LENT_WAIT_S
+        with self._released:
+            while True:
+                best, best_shared, lent_shared = None, 0, 0
+                for session in self._sessions:
+                    if type(session) is not _KINDS[kind] or session.cache_config != config:
+                        continue
+                    shared = shared_tokens(session, system_prompt, messages)
+                    if id(session) in self._lent:
+                        lent_shared = max(lent_shared, shared)
+                    elif shared > best_shared or (best is not None and shared == best_shared > 0):
+                        best, best_shared = session, shared  # ties: the most recently used
+                left = deadline - time.monotonic()
+                if lent_shared <= best_shared or left <= 0:
+                    break
+                self._released.wait(left)
+            forked = False
+            if best is None:
+                best = self.make_session(kind, config, system_prompt)
+            else:
+                self._sessions.remove(best)
+                kept = messages_repeated(best, system_prompt, messages)
+                forked = kind == "chat" and kept < len(best.history) - 2  # more than a regenerate or an edit of the last exchange
+            self._sessions.append(best)
+            self._lent.add(id(best))
+        if forked:
+            best.conversation.become_fork()  # saved under a new id: the old file keeps the old story
+        return best, forked
+
+    def release(self, session):
+        with self._released:
+            self._lent.discard(id(session))
+            self._drop_over_bound()
+            self._released.notify_all()
+
+    def kv_bytes(self):
+        with self._released:
+            return sum(session_kv_bytes(s) for s in self._sessions)
+
+    def _drop_over_bound(self):
+        total = sum(session_kv_bytes(s) for s in self._sessions)
+        for session in list(self._sessions):  # least recently used first
+            if total <= self.max_kv_bytes:
+                break
+            if id(session) in self._lent:
+                continue
+            total -= session_kv_bytes(session)
+            self._sessions.remove(session)
+            session.close()  # frees the cache now; the transcript stays saved
+
+
+def session_kv_bytes(session):
+    return KV_COPIES * session.cache.kv_bytes()
+
+
+def messages_repeated(session, system_prompt, messages):
+    """How many of `session`'s messages `messages` starts with (none if the system prompts differ)."""
+    if session.system_prompt != system_prompt:
+        return 0
+    same = 0
+    for old, new in zip(session.history, messages):
+        if (old["role"], old["content"]) != (new["role"], new["content"]):
+            break
+        same += 1
+    return same
+
+
+_KINDS = {"chat": ChatSession, "text": TextSession}

@@ -1,0 +1,488 @@
+"""The OpenAI-compatible API (`/v1` beside the UI), driven as clients drive it: the real `openai`
+client against a live server on 127.0.0.1. The tiny random chat model (float64, so that the
+exact comparisons never hinge on rounding) stands in where real text is not needed."""
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import gradio as gr
+import httpx
+import openai
+import pytest
+import torch
+
+import app as app_main
+import h2o_chat
+from h2o_chat import ChatSession, store
+from h2o_chat.api import create_router
+from h2o_chat.pool import LENT_WAIT_S, SessionPool
+from h2o_chat.ui import CSS, build
+from tests.conftest import make_tiny_chat
+from tests.live import free_port, never_ending
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KEY = "test-key-123"
+CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
+DEADLINE_S = 60  # every request of these tests finishes far sooner on the tiny model
+
+
+@contextmanager
+def api_server(data_dir, model=None, tokenizer=None, concurrency=2, **router_kwargs):
+    """The UI and the API on one free port, as app.py mounts them; yields (base_url, router)."""
+    if model is None:
+        model, tokenizer = make_tiny_chat(torch.float64)
+    demo = build(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency)
+    demo.queue(default_concurrency_limit=concurrency)
+    router = create_router(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency, **router_kwargs)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, css=CSS,
+                show_error=True, app_kwargs={"routes": router.routes})
+    try:
+        yield f"http://127.0.0.1:{port}", router
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("api-data")
+    with api_server(data, api_key=KEY) as (url, router):
+        yield {"url": url, "router": router, "data": data}
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, timeout=DEADLINE_S, max_retries=0)
+
+
+def chat(client, messages, **kwargs):
+    kwargs.setdefault("max_tokens", 12)
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model="h2o-chat", messages=messages, **kwargs)
+
+
+def streamed(client, messages, **kwargs):
+    """(text, finish_reason, usage) of a streamed reply."""
+    kwargs.setdefault("max_tokens", 12)
+    kwargs.setdefault("temperature", 0)
+    text, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(model="h2o-chat", messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+def cached(reply):
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The routes
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["h2o-chat"]
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok", "model": "h2o-chat"}
+    assert httpx.get(server["url"] + "/config").status_code == 200  # the UI is still there, on the same port
+
+
+def test_streamed_and_whole_replies_are_the_same(client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    whole = chat(client, messages, max_tokens=16, temperature=0.8, seed=3)
+    text, finish, usage = streamed(client, messages, max_tokens=16, temperature=0.8, seed=3)
+    assert text == whole.choices[0].message.content and len(text) > 0
+    assert finish == whole.choices[0].finish_reason
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+
+
+def test_the_stream_is_server_sent_events_ending_with_done(server):
+    body = {"model": "h2o-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", json=body, timeout=DEADLINE_S,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+
+
+def test_content_as_text_parts_is_the_same_as_text(client):
+    text = [{"role": "user", "content": "Say something about parts."}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say something "},
+                                          {"type": "text", "text": "about parts."}]}]
+    assert chat(client, text).choices[0].message.content == chat(client, parts).choices[0].message.content
+
+
+def test_unknown_fields_are_ignored(client):
+    reply = chat(client, [{"role": "user", "content": "hello"}],
+                 extra_body={"mirostat": 2, "typical_p": 1, "user_name": "x"}, user="someone")
+    assert reply.choices[0].message.content
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversation reuse
+
+
+def test_a_growing_chat_is_served_from_the_cache(client):
+    """Each turn computes only its new message: every token of the previous prompt and reply is
+    cached; the replies are those of a fresh session that reads the whole history at once."""
+    model, tokenizer = make_tiny_chat(torch.float64)
+    messages = [{"role": "system", "content": "A growing chat."}]
+    previous = None
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"This is message number {turn}, tell me more."})
+        reply = chat(client, messages, max_tokens=10, extra_body={"h2o": {"policy": "full"}})
+        text = reply.choices[0].message.content
+        if previous is not None:
+            assert cached(reply) == previous.usage.prompt_tokens + previous.usage.completion_tokens
+        if turn >= 2:
+            assert cached(reply) > 0.6 * reply.usage.prompt_tokens  # most of it
+        fresh = ChatSession(model, tokenizer, cache={"policy": "full"}, system_prompt=messages[0]["content"],
+                            temperature=0, max_new_tokens=10)
+        fresh.messages = [dict(m, pinned=False) for m in messages[1:-1]]
+        assert "".join(fresh.send(messages[-1]["content"])) == text
+        messages.append({"role": "assistant", "content": text})
+        previous = reply
+
+
+def test_a_regenerate_is_served_from_the_cache(client):
+    messages = [{"role": "user", "content": "Tell me a story about a regenerate."}]
+    first = chat(client, messages, temperature=1.0, seed=11)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    reply = chat(client, messages, temperature=1.0, seed=5)
+    swipe = chat(client, messages, temperature=1.0, seed=6)  # the same history again, another draw
+    again = chat(client, messages, temperature=1.0, seed=5)
+    assert cached(swipe) == cached(again) == reply.usage.prompt_tokens  # nothing recomputed
+    assert again.choices[0].message.content == reply.choices[0].message.content  # the same state as the first time
+    assert swipe.choices[0].message.content != reply.choices[0].message.content
+
+
+def test_an_edited_reply_goes_back_to_what_still_agrees(client):
+    """The user edits the bot's last reply (SillyTavern's edit) and writes on: the prompt up to
+    that reply is still cached."""
+    messages = [{"role": "user", "content": "First message of the edit test."}]
+    one = chat(client, messages)
+    messages += [{"role": "assistant", "content": "An edited reply."}, {"role": "user", "content": "Go on."}]
+    edited = chat(client, messages)
+    assert cached(edited) == one.usage.prompt_tokens < edited.usage.prompt_tokens
+
+
+def test_an_edited_message_goes_back_to_the_reply_before_it(client):
+    messages = [{"role": "user", "content": "First message of the message-edit test."}]
+    one = chat(client, messages)
+    messages += [{"role": "assistant", "content": one.choices[0].message.content},
+                 {"role": "user", "content": "Second message."}]
+    chat(client, messages)
+    messages[-1] = {"role": "user", "content": "Second message, edited."}
+    edited = chat(client, messages)
+    assert cached(edited) >= one.usage.prompt_tokens + one.usage.completion_tokens
+
+
+def test_two_conversations_interleaved_keep_their_caches(client):
+    convs = {name: [{"role": "system", "content": f"Conversation {name}."}] for name in "AB"}
+    last = {}
+    for turn in range(3):
+        for name, messages in convs.items():
+            messages.append({"role": "user", "content": f"{name} says hello for the {turn}th time."})
+            reply = chat(client, messages)
+            if name in last:
+                assert cached(reply) == last[name].usage.prompt_tokens + last[name].usage.completion_tokens
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            last[name] = reply
+
+
+def test_past_the_memory_bound_the_least_recently_used_conversation_is_dropped(tmp_path):
+    """Each tiny-model conversation holds 0.1875 MiB (its full 48-slot cache and three snapshots):
+    two fit in 0.5 MiB, a third drops the one used longest ago."""
+    with api_server(tmp_path, max_kv_mib=0.5) as (url, router):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
+        convs = {name: [{"role": "user", "content": f"Conversation {name} starts with a long enough message."}]
+                 for name in "ABC"}
+        for name, messages in convs.items():
+            messages.append({"role": "assistant", "content": chat(client, messages).choices[0].message.content})
+            messages.append({"role": "user", "content": "And then?"})
+        assert len(router.pool) == 2 and router.pool.kv_bytes() <= 0.5 * 2**20
+        assert cached(chat(client, convs["C"])) > 0 and cached(chat(client, convs["B"])) > 0  # kept
+        assert cached(chat(client, convs["A"])) == 0  # dropped: replayed from the start
+
+
+def test_text_completion_reuses_the_growing_prompt(client):
+    prompt = "<|im_start|>user\nContinue this text please.<|im_end|>\n<|im_start|>assistant\n"
+    first = client.completions.create(model="h2o-chat", prompt=prompt, max_tokens=8, temperature=0)
+    assert first.object == "text_completion" and first.choices[0].finish_reason == "length"
+    # the client's own template: each special token in the prompt is one token, as written
+    assert first.usage.prompt_tokens == len(prompt) - 2 * len("<|im_start|>") - len("<|im_end|>") + 3
+    prompt += first.choices[0].text + "<|im_end|>\n<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n"
+    second = client.completions.create(model="h2o-chat", prompt=prompt, max_tokens=8, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + 8
+    pieces = client.completions.create(model="h2o-chat", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == second.choices[0].text
+
+
+def test_cache_settings_and_pins_per_request(server, client):
+    messages = [{"role": "user", "content": "Remember this message."}, {"role": "assistant", "content": "Sure."},
+                {"role": "user", "content": "Which cache holds this?"}]
+    chat(client, messages, extra_body={"h2o": {"policy": "window", "budget": 60, "n_sink": 2, "pinned": [0]}})
+    session = next(s for s, _ in reversed(server["router"].pool.live()) if s.messages[-1].content and
+                   s.messages[0].content == "Remember this message.")
+    assert session.cache_config.policy == "window" and session.cache_config.budget == 60
+    assert session.messages[0].pinned and not session.messages[2].pinned
+    assert session.cache.pins  # the pinned message's tokens are held
+
+
+def test_api_conversations_are_saved_where_the_ui_lists_them(server, client):
+    messages = [{"role": "user", "content": "Save me in the list, please."}]
+    reply = chat(client, messages)
+    records = [store.load(server["data"], i) for i in store.list_ids(server["data"])]
+    saved = [r for r in records if r["messages"] and r["messages"][0]["content"] == messages[0]["content"]]
+    assert saved and saved[0]["messages"][1] == {"role": "assistant", "content": reply.choices[0].message.content,
+                                                 "pinned": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop strings
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_strings_end_the_reply_before_them(client, stream):
+    messages = [{"role": "user", "content": "Say something long for the stop test."}]
+    full = chat(client, messages, max_tokens=30).choices[0].message.content
+    stop = full[8:10]
+    expected = full[:full.find(stop)]
+    if stream:
+        text, finish, _ = streamed(client, messages, max_tokens=30, stop=[stop, "never-said"])
+    else:
+        reply = chat(client, messages, max_tokens=30, stop=stop)
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert text == expected and stop not in text and finish == "stop"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input, keys, models
+
+
+@pytest.mark.parametrize("body, says", [
+    pytest.param({"messages": []}, "non-empty", id="empty-messages"),
+    pytest.param({"messages": [{"role": "wizard", "content": "hi"}]}, "unknown role", id="unknown-role"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens", id="negative-max"),
+    pytest.param({"messages": [{"role": "user", "content": "x" * 200_000}]}, "too long", id="huge-message"),
+    pytest.param({"messages": [{"role": "user", "content": "   "}]}, "empty", id="blank-message"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
+                 id="text-temperature"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n = 1", id="n"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop", id="empty-stop"),
+    pytest.param({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                 "only text parts", id="image"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]},
+                 "system message after", id="late-system"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "h2o": {"budget": -1}}, "budget", id="bad-budget"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "h2o": {"pinned": [4]}}, "no message 4",
+                 id="bad-pin"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, "repetition_penalty",
+                 id="penalty"),
+])
+def test_bad_bodies_get_400_with_a_message(client, body, says):
+    body = dict(body)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="h2o-chat", messages=body.pop("messages"), extra_body=body)
+    assert says in raised.value.body["message"]
+    assert raised.value.status_code == 400 and raised.value.body["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_not_json_gets_400(server):
+    response = httpx.post(server["url"] + "/v1/chat/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_a_wrong_or_missing_key_gets_401(server):
+    wrong = openai.OpenAI(base_url=server["url"] + "/v1", api_key="wrong", max_retries=0, timeout=DEADLINE_S)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        chat(wrong, [{"role": "user", "content": "hi"}])
+    for path in ("/v1/models", "/v1/anything"):
+        response = httpx.get(server["url"] + path)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_an_unknown_model_or_route_gets_404(server, client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    response = httpx.get(server["url"] + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_while_the_model_loads_the_api_answers_503(tmp_path):
+    router = create_router(None, None, dict(CACHE))
+    with gr.Blocks() as demo:
+        gr.Markdown("loading")
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                app_kwargs={"routes": router.routes})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(url + "/health").status_code == 503
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=DEADLINE_S)
+        with pytest.raises(openai.InternalServerError, match="loading"):
+            chat(client, [{"role": "user", "content": "hi"}])
+    finally:
+        demo.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Concurrency and disconnects
+
+
+def test_concurrent_requests_never_mix_their_text(client):
+    """Four conversations at once (two generate in parallel): each gets exactly the reply it
+    gets alone."""
+    convs = [[{"role": "system", "content": f"Speaker {i}."}, {"role": "user", "content": f"Tell me about {word}."}]
+             for i, word in enumerate(["apples", "rivers", "engines", "clocks"])]
+    together = [None] * len(convs)
+
+    def ask(i):
+        together[i] = chat(client, convs[i], max_tokens=40, temperature=1.0, seed=i).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(convs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    alone = [chat(client, c, max_tokens=40, temperature=1.0, seed=i).choices[0].message.content
+             for i, c in enumerate(convs)]
+    assert together == alone and len(set(alone)) == len(alone)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_generator(tmp_path):
+    model, tokenizer = never_ending(*make_tiny_chat(torch.float64))
+    with api_server(tmp_path, model, tokenizer, concurrency=1) as (url, router):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
+        stream = client.chat.completions.create(model="h2o-chat", messages=[{"role": "user", "content": "go on"}],
+                                                max_tokens=1_000_000, stream=True)
+        pieces = [next(stream).choices[0].delta.content for _ in range(4)]
+        assert len("".join(pieces)) > 0
+        stream.close()  # the client goes away mid-reply (a million tokens would take many minutes)
+        start = time.perf_counter()
+        reply = chat(client, [{"role": "user", "content": "next one"}], max_tokens=3)  # one worker: it waits
+        assert reply.usage.completion_tokens == 3 and time.perf_counter() - start < 10
+        deadline = time.monotonic() + 10
+        while any(lent for _, lent in router.pool.live()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(lent for _, lent in router.pool.live())
+        first = next(s for s, _ in router.pool.live() if s.messages[0].content == "go on")
+        assert 0 < first.last_turn.new_tokens < 100_000  # it stopped, far before its max_tokens
+
+        # stop, then swipe at once (SillyTavern): the swipe waits for the stopping reply's cache
+        stream = client.chat.completions.create(model="h2o-chat", messages=[{"role": "user", "content": "go on"}],
+                                                max_tokens=1_000_000, stream=True)
+        next(stream)
+        stream.close()
+        swipe = chat(client, [{"role": "user", "content": "go on"}], max_tokens=3)
+        assert cached(swipe) == swipe.usage.prompt_tokens
+
+
+def test_a_request_waits_briefly_for_the_busy_session_that_holds_its_history():
+    model, tokenizer = make_tiny_chat()
+    pool = SessionPool(lambda kind, cache, system: ChatSession(model, tokenizer, cache=cache, system_prompt=system),
+                       max_kv_bytes=2**30)
+    history = [{"role": "user", "content": "hello there", "pinned": False}]
+    busy, _ = pool.acquire("chat", CACHE, None, history)
+    busy.messages = [dict(m) for m in history]
+    list(busy.regenerate())  # it has fed the history (and a reply) and is still lent
+    threading.Timer(0.3, pool.release, args=(busy,)).start()
+    start = time.monotonic()
+    again, _ = pool.acquire("chat", CACHE, None, history)
+    assert again is busy and 0.2 < time.monotonic() - start < LENT_WAIT_S
+    other, _ = pool.acquire("chat", CACHE, None, history)  # lent again: after the wait, a new session
+    assert other is not busy and len(pool) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# app.py
+
+
+@pytest.fixture
+def app_server(monkeypatch, tmp_path):
+    """app.main with the tiny chat model, really serving (the test's own thread keeps going)."""
+    demos = []
+
+    def run(argv):
+        original_launch = gr.Blocks.launch
+
+        def launch(demo, **kwargs):
+            demos.append(demo)
+            original_launch(demo, **kwargs, prevent_thread_lock=True, quiet=True)
+
+        monkeypatch.setattr(gr.Blocks, "launch", launch)
+        monkeypatch.setattr(h2o_chat, "load_model", lambda spec, **kwargs: make_tiny_chat())
+        port = free_port()
+        app_main.main(argv + ["--port", str(port), "--data-dir", str(tmp_path)])
+        return f"http://127.0.0.1:{port}"
+
+    yield run
+    for demo in demos:
+        demo.close()
+
+
+def test_app_serves_the_api_open_on_localhost_by_default(app_server):
+    url = app_server([])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="anything", max_retries=0, timeout=DEADLINE_S)
+    assert chat(client, [{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_app_api_key_from_the_flag_or_the_environment(app_server, monkeypatch):
+    monkeypatch.setenv("H2O_CHAT_API_KEY", "from-env")
+    url = app_server([])
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+    assert app_main.parse_args(["--api-key", "flag"]).api_key == "flag"
+
+
+def test_with_a_ui_login_the_api_is_never_open(app_server):
+    url = app_server(["--auth", "alice:s3cret"])
+    response = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 401 and "--api-key" in response.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer alice:s3cret"}).status_code == 401
+
+
+def test_with_a_ui_login_and_a_key_the_key_opens_the_api(app_server):
+    url = app_server(["--auth", "alice:s3cret", "--api-key", "k2"])
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+    assert httpx.get(url + "/config").status_code == 401  # the UI keeps its login
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench that compares the API with llama.cpp's server (its h2o arm, on the tiny model)
+
+
+def test_bench_api_drives_a_chat_through_app_py(tmp_path):
+    from h2o_chat import bench_api
+    from tests.live import save_tiny_chat
+
+    folder = save_tiny_chat(tmp_path / "tiny")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"turns": ["First question?", "Second one?"]}) + "\n"
+                         + json.dumps({"turns": ["Third?", "Fourth?"]}) + "\n")
+    bench_api.main(["--arms", "h2o", "--turns", "3", "--max-tokens", "4", "--data", str(questions),
+                    "--h2o-args", f"--model {folder} --budget 48 --n-sink 2 --n-recent 16", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "api_vs_llamacpp.json").read_text())["arms"]["h2o"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and not any("error" in r for r in rows)
+    assert rows[0]["cached_tokens"] == 0
+    for before, after in zip(rows, rows[1:]):  # every earlier prompt and reply is served from the cache
+        assert after["cached_tokens"] == before["prompt_tokens"] + before["completion_tokens"]
+    assert (tmp_path / "api_vs_llamacpp.md").read_text().startswith("Command: `python -m h2o_chat.bench_api")
