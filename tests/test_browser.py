@@ -219,16 +219,17 @@ def field(page, elem_id):
 
 def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.get_by_text("Cache (changing it replays the chat)").click()
+    page.get_by_text("Generation").first.click()
+    # the page's load fills every field from its conversation: typing before that would be overwritten
+    page.wait_for_function("() => document.querySelector('#max-new input')?.value === '5000'", timeout=WAIT_MS)
     page.locator("#budget input").fill("40")
     page.click("#apply-cache")
-    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('**') || true")
-    page.get_by_text("Generation").first.click()
     page.locator("#max-new input").fill("500")
     page.locator("#system-prompt textarea").fill("You are a lighthouse keeper.")
     page.click("#apply-sampling")
     send(page, "Restore me with my settings")
     stop_and_settle(page)
-    assert "**40** slots per head" in page.inner_text("#stats") or "40" in field(page, "budget")
+    assert "40 slots per head" in page.inner_text("#stats")  # the reply ran on the applied cache
 
     page.click("#new-chat")
     page.wait_for_function("() => document.querySelectorAll('#chat .user-row').length === 0", timeout=WAIT_MS)
@@ -244,7 +245,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.get_by_text("Restore me with my settings").first.wait_for(timeout=WAIT_MS)
     page.wait_for_function("() => document.querySelector('#budget input').value === '40'", timeout=WAIT_MS)
     assert field(page, "max-new") == "500" and field(page, "system-prompt") == "You are a lighthouse keeper."
-    assert "40** slots per head" in page.inner_text("#stats") or "40 slots per head" in page.inner_text("#stats")
+    assert "40 slots per head" in page.inner_text("#stats")
 
 
 def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tmp_path):
