@@ -72,7 +72,9 @@ def wait_for_more(page, than, chars=20):
 
 
 def stop_and_settle(page):
-    page.click("#stop")
+    # a click event on the button, not a pointer click: while tokens stream the page reflows every
+    # few frames, so Playwright can wait out its 30 s for the button to hold still and never click
+    page.locator("#stop").dispatch_event("click")
     page.wait_for_function("() => !document.querySelector('#chat .generating, #stats .pending')", timeout=WAIT_MS)
     page.wait_for_timeout(300)
     settled = None
