@@ -29,7 +29,7 @@ either of them sent is lost.
 import threading
 import time
 import unicodedata
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401

@@ -7,7 +7,7 @@ import threading
 import pytest
 from gradio_client import Client
 
-from tests.live import deadline, live_app, shown, text_of, texts, warnings_of
+from tests.live import deadline, live_app, shown, text_of
 
 
 @pytest.fixture(scope="module")
