@@ -234,7 +234,8 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
     kept = ", ".join(f"{found[s]:,} {s}" for s in SHOWN if found.get(s))
     saved = 1 - stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
     ttft, speed = live if live is not None else (stats["ttft_s"], stats["tokens_per_s"])
-    timing = ("TTFT … · waiting for the first token" if ttft is None else
+    timing = ("no reply yet since it was opened" if live is None and ttft is None else
+              "TTFT … · waiting for the first token" if ttft is None else
               f"TTFT {seconds(ttft)} · {speed:.1f} tokens/s" if speed is not None else f"TTFT {seconds(ttft)}")
     where = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", head {head}")
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "

@@ -101,7 +101,7 @@ class ChatSession:
         self.conversation = conversation
         self.on_progress = on_progress  # callable(done, total) while the conversation is replayed
         self.notices = []  # sentences for the user (a save that became a fork); take_notices() drains them
-        self.last_turn = TurnStats(end=time.perf_counter())
+        self.last_turn = None  # no reply since the session was made (or opened): no timing to show
         self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards the two flags below against close() from another thread
@@ -151,9 +151,11 @@ class ChatSession:
     @property
     def stats(self):
         t, cache = self.last_turn, self.cache
+        timing = {"ttft_s": None, "tokens_per_s": None} if t is None else \
+            {"ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
         return {"tokens_seen": cache.get_seq_length(), "tokens_processed": self.timeline.tokens_processed,
                 "slots_used": cache.slots_used(), "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
-                "ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
+                **timing}
 
     # --- replies: generators that do their work when iterated ---------------------------------
     def send(self, text):

@@ -150,3 +150,17 @@ def test_the_map_shows_the_tokens_its_retention_was_read_for(session):
     page = panel.token_map(ledger, ret)
     shown = shown_indices(page)
     assert len(shown) + folded_count(page) == n and max(shown) < n
+
+
+def test_a_chat_opened_without_a_reply_since_shows_no_timing(tiny_chat, tmp_path):
+    # reopened after a reload or restart: the replay is no reply, so there is no TTFT to show
+    # (it used to read "TTFT -0 ms · 0.0 tokens/s")
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), temperature=0,
+                    max_new_tokens=5, data_dir=str(tmp_path))
+    "".join(s.send("Hello there"))
+    reopened = ChatSession.open(model, tok, s.id, str(tmp_path))
+    assert reopened.stats["ttft_s"] is None and reopened.stats["tokens_per_s"] is None
+    text = panel.stats_markdown(reopened.stats, reopened.ledger.retention(reopened.cache))
+    assert "no reply yet since it was opened" in text and "TTFT" not in text
+    assert "TTFT" in panel.stats_markdown(s.stats, s.ledger.retention(s.cache))
