@@ -197,51 +197,13 @@ class H2OLayer(CacheLayerMixin):
         return out
 
     # --- the hot path: one token into a full layer -----------------------------------------
-    def _make_step(self, query, scaling):
-        """Views over the whole buffers (budget + 1 slots) and scratch buffers, made once."""
-        kv, meta, meta_f = self.kv, self.meta, self.meta_f
-        _, b, h, cap, d = kv.shape
-        group, spare = query.shape[1] // h, cap - 1
-        acc, dev = meta_f.dtype, kv.device
-        return SimpleNamespace(
-            group=group, bh=b * h,
-            spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],  # [b, h, 1, d]
-            spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:],
-            spare_ints=meta[IDS : KEY + 1, :, :, spare], spare_key=meta[KEY, :, :, spare],
-            spare_acc=meta[SCORE:, :, :, spare],
-            keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            ids=meta[IDS], key=meta[KEY], scores=meta_f[SCORE], queries=meta_f[QUERIES],
-            scores3=meta_f[SCORE].view(b * h, 1, cap),
-            ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
-            scale=torch.tensor(scaling, dtype=acc, device=dev),
-            one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
-            id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
-            threshold=torch.zeros((), dtype=meta.dtype, device=dev),
-            logits=kv.new_empty(b * h, group, cap), out=kv.new_empty(b * h, group, d),
-            # softmax in at least float32, like transformers' eager attention: for a bf16 model
-            # the logits are copied up and the probabilities down, into buffers made here
-            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != kv.dtype else None,
-            probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
-            probs_low=kv.new_empty(b * h, group, cap) if acc != kv.dtype else None,
-            protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
-            rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
-            is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
-            tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
-            victim=torch.empty(b, h, 1, dtype=torch.long, device=dev),
-            stage_kv=kv.new_empty(2, b, h, 1, d), stage_meta=meta.new_empty(N_META, b, h, 1),
-            index_kv=torch.empty(2, b, h, 1, d, dtype=torch.long, device=dev),
-            index_meta=torch.empty(N_META, b, h, 1, dtype=torch.long, device=dev),
-        )
-
     def decode_step(self, cache, keys, values, query, scaling):
         """One new token ([batch, kv_heads, 1, head_dim]) into a layer holding `budget` slots:
         write it into the spare slot, attend over all, score, move the spare into the victim.
         Returns [batch, 1, q_heads, head_dim]."""
         s = self.step
         if s is None:
-            s = self.step = self._make_step(query, scaling)
-        b, q_heads, _, d = query.shape
-        lim, config = cache.limits, cache.config
+            s = self.step = make_step(self.kv, self.meta, query, scaling)
         s.spare_k.copy_(keys)
         s.spare_v.copy_(values)
         s.spare_ints.fill_(self.n_seen)  # its id, its position, its protection key
@@ -249,41 +211,107 @@ class H2OLayer(CacheLayerMixin):
             s.spare_key.fill_(torch.iinfo(self.meta.dtype).max)
         s.spare_acc.fill_(0)
         self.n_seen += 1
-        # attention of the group's query heads, stacked as rows: [b * kvh, group, slots]
-        logits = torch.bmm(query.view(s.bh, s.group, d), s.keys_t, out=s.logits)
-        if s.logits_acc is not None:
-            logits = s.logits_acc.copy_(logits)
-        logits.mul_(s.scale)
-        probs = torch.softmax(logits, -1, out=s.probs)
-        out = torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
-        # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
-        if config.score == "decay":
-            s.scores3.baddbmm_(s.ones, probs, beta=config.decay)
-        else:
-            s.scores3.baddbmm_(s.ones, probs)
-        if config.score == "mean":
-            s.queries.add_(s.one)
-        # the victim: the unprotected slot of lowest priority, the older token on ties
-        s.threshold.fill_(self.n_seen - lim.n_recent)
-        torch.ge(s.key, s.threshold, out=s.protected)
-        if config.policy == "h2o":
-            priority = s.scores / s.queries.clamp(min=1) if config.score == "mean" else s.scores
-            torch.where(s.protected, s.inf, priority, out=s.rank)
-            torch.amin(s.rank, -1, keepdim=True, out=s.lowest)
-            torch.eq(s.rank, s.lowest, out=s.is_lowest)
-            torch.where(s.is_lowest, s.ids, s.id_max, out=s.tiebreak)
-        else:  # window, sink: the oldest unprotected token
-            torch.where(s.protected, s.id_max, s.ids, out=s.tiebreak)
-        torch.argmin(s.tiebreak, -1, keepdim=True, out=s.victim)
-        # cache replace: the spare slot (copied out first: a source may not alias its target)
-        s.stage_kv.copy_(s.spare_kv)
-        s.stage_meta.copy_(s.spare_meta)
-        s.index_kv.copy_(s.victim.view(1, b, -1, 1, 1))
-        self.kv.scatter_(3, s.index_kv, s.stage_kv)
-        s.index_meta.copy_(s.victim.view(1, b, -1, 1))
-        self.meta.scatter_(3, s.index_meta, s.stage_meta)
+        s.threshold.fill_(self.n_seen - cache.limits.n_recent)
+        out = attend_and_replace(s, self.kv, self.meta, query, cache.config)
         cache._maybe_roll(self)
-        return out.view(b, 1, q_heads, d)
+        return out
+
+
+def make_step(kv, meta, query, scaling):
+    """The decode step's views over whole buffers (budget + 1 slots) and its scratch buffers, made
+    once. kv [2, batch, kv_heads, budget + 1, head_dim], meta [N_META, batch, kv_heads, budget + 1],
+    query [batch, q_heads, 1, head_dim]."""
+    meta_f = meta.view(score_dtype(kv.dtype))
+    _, b, h, cap, d = kv.shape
+    group, spare = query.shape[1] // h, cap - 1
+    acc, dev = meta_f.dtype, kv.device
+    return SimpleNamespace(
+        group=group, bh=b * h,
+        spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],  # [b, h, 1, d]
+        spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:],
+        spare_ints=meta[IDS : KEY + 1, :, :, spare], spare_key=meta[KEY, :, :, spare],
+        spare_acc=meta[SCORE:, :, :, spare],
+        keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
+        ids=meta[IDS], key=meta[KEY], scores=meta_f[SCORE], queries=meta_f[QUERIES],
+        scores3=meta_f[SCORE].view(b * h, 1, cap),
+        ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
+        scale=torch.tensor(scaling, dtype=acc, device=dev),
+        one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
+        id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
+        spare_index=torch.tensor(spare, device=dev),
+        threshold=torch.zeros((), dtype=meta.dtype, device=dev),
+        logits=kv.new_empty(b * h, group, cap), out=kv.new_empty(b * h, group, d),
+        # softmax in at least float32, like transformers' eager attention: for a bf16 model
+        # the logits are copied up and the probabilities down, into buffers made here
+        logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != kv.dtype else None,
+        probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
+        probs_low=kv.new_empty(b * h, group, cap) if acc != kv.dtype else None,
+        protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
+        rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
+        is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
+        tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
+        victim=torch.empty(b, h, 1, dtype=torch.long, device=dev),
+        stage_kv=kv.new_empty(2, b, h, 1, d), stage_meta=meta.new_empty(N_META, b, h, 1),
+        index_kv=torch.empty(2, b, h, 1, d, dtype=torch.long, device=dev),
+        index_meta=torch.empty(N_META, b, h, 1, dtype=torch.long, device=dev),
+    )
+
+
+def attend_and_replace(s, kv, meta, query, config, rows=None):
+    """The decode step once the new token sits in the spare last slot (its meta written and
+    s.threshold set): attend over every slot, add the mass to the scores, pick one victim per head
+    and move the spare into it ("cache replace"). About twenty batched ops into the buffers of
+    `make_step`: no allocation, no host sync. Returns [batch, 1, q_heads, head_dim].
+
+    rows: None for one conversation; for conversations stacked as batch rows (batch.py), their
+    per-row state: `weights` [batch * kv_heads, 1, group] (0 for a row that sits this step out),
+    `beta` [batch * kv_heads, 1, 1] (the decay, 1 for those rows), `query_add` [batch, 1, 1],
+    `threshold` [batch, 1, 1], `empty` [batch, kv_heads, slots] bool or None (the free slots of a
+    conversation still below its budget: never attended, filled first), `idle` [batch, 1, 1] bool
+    or None (rows whose spare moves onto itself, so nothing of theirs changes)."""
+    b, q_heads, _, d = query.shape
+    logits = torch.bmm(query.view(s.bh, s.group, d), s.keys_t, out=s.logits)
+    if s.logits_acc is not None:
+        logits = s.logits_acc.copy_(logits)
+    logits.mul_(s.scale)
+    if rows is not None and rows.empty is not None:
+        logits.view(b, -1, s.group, logits.shape[-1]).masked_fill_(rows.empty[:, :, None], -torch.inf)
+    probs = torch.softmax(logits, -1, out=s.probs)
+    out = torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
+    # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
+    weights = s.ones if rows is None else rows.weights
+    if config.score == "decay":
+        if rows is None:
+            s.scores3.baddbmm_(weights, probs, beta=config.decay)
+        else:
+            s.scores3.mul_(rows.beta).baddbmm_(weights, probs)
+    else:
+        s.scores3.baddbmm_(weights, probs)
+    if config.score == "mean":
+        s.queries.add_(s.one if rows is None else rows.query_add)
+    # the victim: the unprotected slot of lowest priority, the older token on ties
+    torch.ge(s.key, s.threshold if rows is None else rows.threshold, out=s.protected)
+    if config.policy == "h2o":
+        priority = s.scores / s.queries.clamp(min=1) if config.score == "mean" else s.scores
+        torch.where(s.protected, s.inf, priority, out=s.rank)
+        torch.amin(s.rank, -1, keepdim=True, out=s.lowest)
+        torch.eq(s.rank, s.lowest, out=s.is_lowest)
+        torch.where(s.is_lowest, s.ids, s.id_max, out=s.tiebreak)
+    else:  # window, sink: the oldest unprotected token
+        torch.where(s.protected, s.id_max, s.ids, out=s.tiebreak)
+    if rows is not None and rows.empty is not None:
+        s.tiebreak.masked_fill_(rows.empty, -1)  # a free slot is taken before any token is evicted
+    torch.argmin(s.tiebreak, -1, keepdim=True, out=s.victim)
+    if rows is not None and rows.idle is not None:
+        torch.where(rows.idle, s.spare_index, s.victim, out=s.victim)
+    # cache replace: the spare slot (copied out first: a source may not alias its target)
+    s.stage_kv.copy_(s.spare_kv)
+    s.stage_meta.copy_(s.spare_meta)
+    s.index_kv.copy_(s.victim.view(1, b, -1, 1, 1))
+    kv.scatter_(3, s.index_kv, s.stage_kv)
+    s.index_meta.copy_(s.victim.view(1, b, -1, 1))
+    meta.scatter_(3, s.index_meta, s.stage_meta)
+    return out.view(b, 1, q_heads, d)
 
 
 class H2OCache(Cache):

@@ -9,9 +9,14 @@ normally. Both meet at the template's fixed separators: the template is rendered
 placeholder per message, and split there.
 """
 
+import threading
 from typing import NamedTuple
 
 PLACEHOLDER = "\x00h2o-content-{}\x00"
+# A fast tokenizer's split_special_tokens is a flag set on the shared Rust tokenizer for the call:
+# two conversations tokenizing at once (two tabs, two API clients) could each read the other's
+# flag, and a template's <|im_start|> came out as 12 characters. One call at a time.
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class Segment(NamedTuple):
@@ -52,7 +57,8 @@ def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open
 def tokenize(tokenizer, text, template):
     if not text:
         return []
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=not template).input_ids
+    with _TOKENIZER_LOCK:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=not template).input_ids
 
 
 def token_ids(segments):

@@ -7,7 +7,8 @@ turn the session renders the conversation (render.py), and sync feeds only what 
 not seen, with the pinned ranges protected before their tokens are fed.
 
     ChatSession(model, tokenizer, cache=None, system_prompt=None, data_dir=None, session_id=None,
-                **sampling)                              a new conversation (Sampling fields)
+                batcher=None, **sampling)                a new conversation (Sampling fields); a shared
+                                                         batch.Batcher decodes it in one batch with others
     ChatSession.from_conversation(model, tokenizer, conversation, data_dir=None, on_progress=None)
     ChatSession.open(model, tokenizer, conversation_id, data_dir, on_progress=None)   (= restore)
 
@@ -89,7 +90,7 @@ class TurnStats:
 
 class ChatSession:
     def __init__(self, model, tokenizer, cache=None, system_prompt=None, data_dir=None, session_id=None,
-                 conversation=None, on_progress=None, **sampling_fields):
+                 conversation=None, on_progress=None, batcher=None, **sampling_fields):
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
             conversation = Conversation(settings=settings)
@@ -98,6 +99,7 @@ class ChatSession:
         elif cache is not None or system_prompt is not None or session_id is not None or sampling_fields:
             raise ValueError("give either a conversation or new settings, not both")
         self.model, self.tokenizer, self.data_dir = model, tokenizer, data_dir
+        self.batcher = batcher  # batch.Batcher shared with other sessions, or None: the model runs here
         self.conversation = conversation
         self.on_progress = on_progress  # callable(done, total) while the conversation is replayed
         self.notices = []  # sentences for the user (a save that became a fork); take_notices() drains them
@@ -109,19 +111,21 @@ class ChatSession:
         self._free_when_idle = False  # close() came while busy: free the cache when the reply ends
         self._stop_ids = stop_token_ids(model, tokenizer)
         self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
-        self.timeline = Timeline(model, tokenizer, self.cache_config)
+        self.timeline = self._new_timeline(self.cache_config)
         if conversation.messages:
             self._sync()
 
     @classmethod
-    def from_conversation(cls, model, tokenizer, conversation, data_dir=None, on_progress=None):
+    def from_conversation(cls, model, tokenizer, conversation, data_dir=None, on_progress=None, batcher=None):
         """The runtime of `conversation` (replayed into a fresh cache, with progress)."""
-        return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress)
+        return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress,
+                   batcher=batcher)
 
     @classmethod
-    def open(cls, model, tokenizer, conversation_id, data_dir, on_progress=None):
+    def open(cls, model, tokenizer, conversation_id, data_dir, on_progress=None, batcher=None):
         """A saved conversation, replayed; store.SessionFileError when it cannot be loaded."""
-        return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress)
+        return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress,
+                                     batcher)
 
     restore = open
 
@@ -248,6 +252,7 @@ class ChatSession:
                 message.content = prefix + detok.text
                 yield piece
         finally:
+            timeline.leave_batch()  # the reply's cache rows go back to it, before anything else touches them
             stats.end = time.perf_counter()
             message.content = prefix + detok.text
             self.turn_stats.append({"turn": turn, **self.stats})
@@ -263,7 +268,7 @@ class ChatSession:
             self._busy = False
             if self._free_when_idle:
                 self._free_when_idle = False
-                self.timeline = Timeline(self.model, self.tokenizer, self.cache_config)
+                self.timeline = self._new_timeline(self.cache_config)
         self.autosave()  # after the flag: a failing disk must not keep close() waiting
 
     # --- changes: checked first, then applied through the one replay path ----------------------
@@ -321,7 +326,7 @@ class ChatSession:
         self.conversation.settings = new
         try:
             if new.cache != old.cache:
-                self.timeline = Timeline(self.model, self.tokenizer, new.cache)
+                self.timeline = self._new_timeline(new.cache)
                 self.turn_stats = []  # the charts start again with the new cache
             if new.cache != old.cache or new.system_prompt != old.system_prompt:
                 self._sync()
@@ -341,7 +346,7 @@ class ChatSession:
         """Empty the conversation (same id and settings)."""
         self._check_idle()
         self.messages = []
-        self.timeline = Timeline(self.model, self.tokenizer, self.cache_config)
+        self.timeline = self._new_timeline(self.cache_config)
         self.turn_stats = []
         self.autosave()
 
@@ -358,7 +363,7 @@ class ChatSession:
             if self._busy:
                 self._free_when_idle = True
                 return
-            self.timeline = Timeline(self.model, self.tokenizer, self.cache_config)
+            self.timeline = self._new_timeline(self.cache_config)
 
     # --- saving --------------------------------------------------------------------------------
     def autosave(self):
@@ -383,6 +388,9 @@ class ChatSession:
         return to_markdown(self.conversation)
 
     # --- internals -----------------------------------------------------------------------------
+    def _new_timeline(self, cache_config):
+        return Timeline(self.model, self.tokenizer, cache_config, self.batcher)
+
     def _segments(self, add_generation_prompt=False, open_reply=True):
         return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply)
 

@@ -1,6 +1,6 @@
 """Timeline: the derived state of one conversation, rebuildable from it at any time.
 
-    Timeline(model, tokenizer, cache_config)
+    Timeline(model, tokenizer, cache_config, batcher=None)
       .cache     the H2OCache
       .ledger    every token fed, in order (ledger.vocab_ids is the fed-token timeline)
       .logits    [vocab] after the last fed token (what the next token is drawn from)
@@ -48,8 +48,8 @@ class Snapshot:
 
 
 class Timeline:
-    def __init__(self, model, tokenizer, cache_config):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, cache_config, batcher=None):
+        self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
         self.cache = H2OCache(model, config=cache_config)
         self.ledger = Ledger()
         self.logits = None
@@ -111,9 +111,17 @@ class Timeline:
         self._forward(token.view(1, 1))
         self.ledger.append([token_id], [self.tokenizer.decode([token_id])], role, turn)
 
+    def leave_batch(self):
+        """A reply ended: the cache stops sharing a batch (batch.py), so it can be snapshot or rewound."""
+        if self.batcher is not None:
+            self.batcher.leave(self.cache)
+
     def _forward(self, x):
         try:
-            self.logits = self.model(x, cache=self.cache, logits_to_keep=1).logits[0, -1].float()
+            if self.batcher is not None:  # one thread runs the model for every session, batching decode steps
+                self.logits = self.batcher.run(self.cache, x)
+            else:
+                self.logits = self.model(x, cache=self.cache, logits_to_keep=1).logits[0, -1].float()
         except BaseException as e:
             # some layers may have taken the input and others not: go back to a state the cache
             # has fully seen (a snapshot, else empty); the next sync feeds the rest again

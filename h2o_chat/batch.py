@@ -1,0 +1,383 @@
+"""Many conversations, one forward: the decode steps of every generating conversation run as a batch.
+
+Why this is simple for H2O: once a conversation's cache holds `budget` slots per layer and KV head
+(its steady state), N conversations stack into dense [N, kv_heads, budget + 1, head_dim] buffers,
+with no paging. A conversation still below its budget joins with its free slots masked (never
+attended, filled first), so one step serves both.
+
+    batcher = Batcher(model, max_batch=4)
+    session = ChatSession(model, tokenizer, batcher=batcher)  # one thread per conversation, as before
+
+One thread, the batcher's, runs every forward of the model. A conversation's thread hands it each
+forward (`run`) and waits. Decode steps of conversations with the same cache settings are gathered
+into one batched forward; a prefill chunk (a new message, a replay) runs alone between two decode
+steps, so the others keep streaming. Sampling, stop strings and the stop button stay in each
+conversation's own thread, untouched.
+
+Stacking: an `Arena` per cache setting holds, per layer,
+    kv    [2, rows, kv_heads, budget + 1, head_dim]
+    meta  [N_META, rows, kv_heads, budget + 1]          (the layout of H2OLayer, see cache.py)
+A joining conversation's buffers are copied into a free row, and its own H2OCache layers become
+views of that row: its snapshots, the panel's reads and its position roll keep working unchanged.
+When it leaves (its reply ended, or it sat out too many steps) the row is copied back into buffers
+of its own and the last row moves into the hole, so rows [0, n) are always the batch.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .cache import IDS, KEY, N_META, attend_and_replace, make_step, score_dtype
+
+GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
+IDLE_STEPS = 8  # steps a conversation may sit out before its row is handed back
+
+
+@dataclass
+class Request:
+    """One forward for one conversation: input_ids [1, n] into `cache`; logits [vocab] float32."""
+
+    cache: object
+    input_ids: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+class Batcher:
+    """Runs the model for every conversation that uses it, batching their decode steps."""
+
+    def __init__(self, model, max_batch=4, gather_s=GATHER_S):
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.model, self.max_batch, self.gather_s = model, max_batch, gather_s
+        self.arenas = {}  # cache settings -> Arena (only while it has members)
+        self.steps = self.rows_stepped = 0  # batched steps run, and conversations they advanced
+        self.largest_batch = 0  # most conversations stacked at once
+        self._cond = threading.Condition()
+        self._pending: list[Request] = []
+        self._leaving: list[tuple[object, threading.Event]] = []
+        self._members: set[int] = set()  # id() of every cache that holds an arena row (read under _cond)
+        self._thread = None
+
+    # --- what conversation threads call -------------------------------------------------------
+    def run(self, cache, input_ids):
+        """The forward of `input_ids` [1, n] into `cache`: the logits of its last token [vocab],
+        float32. Blocks until the batcher thread has run it (batched with others when it can)."""
+        request = Request(cache, input_ids)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="h2o-batcher")
+                self._thread.start()
+            self._pending.append(request)
+            self._cond.notify_all()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.logits
+
+    def leave(self, cache):
+        """`cache` stops decoding (its reply ended): it gets buffers of its own again, so the
+        conversation can snapshot, rewind or be dropped without touching the batch."""
+        with self._cond:
+            if id(cache) not in self._members:
+                return
+            done = threading.Event()
+            self._leaving.append((cache, done))
+            self._cond.notify_all()
+        done.wait()
+
+    @property
+    def batch_size(self):
+        """Conversations stacked now."""
+        return len(self._members)
+
+    # --- the batcher thread ---------------------------------------------------------------------
+    def _loop(self):
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._leaving)
+                self._gather()
+                requests, self._pending = self._pending, []
+                leaving, self._leaving = self._leaving, []
+            for cache, done in leaving:
+                self._leave(cache)
+                done.set()
+            decode = [r for r in requests if self._stackable(r)]
+            alone = [r for r in requests if r not in decode]
+            for r in alone:
+                if id(r.cache) in self._members:  # a member that reset or grew: it runs on its own now
+                    self._leave(r.cache)
+            for key in {arena_key(r.cache) for r in decode}:
+                self._step(key, [r for r in decode if arena_key(r.cache) == key])
+            if alone:  # one prefill chunk (or unstackable step) between two decode steps
+                self._alone(alone[0])
+                with self._cond:
+                    self._pending[:0] = alone[1:]
+
+    def _gather(self):
+        """Wait, briefly, until every stacked conversation has handed in its next token."""
+        deadline = time.monotonic() + self.gather_s
+        while not self._leaving:
+            waiting = {id(r.cache) for r in self._pending}
+            left = deadline - time.monotonic()
+            if self._members <= waiting or left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _stackable(self, request):
+        cache = request.cache
+        if request.input_ids.shape[1] != 1 or cache.limits is None or cache.limits.budget is None:
+            return False
+        if any(layer.kv is None or layer.capacity != cache.limits.budget + 1 for layer in cache.layers):
+            return False  # nothing fed yet, or an unbounded layer: it runs alone
+        return id(cache) in self._members or len(self._members) < self.max_batch
+
+    def _step(self, key, requests):
+        arena = self.arenas.get(key)
+        if arena is None:
+            arena = self.arenas[key] = Arena()
+        for r in requests:
+            if id(r.cache) not in self._members:
+                arena.join(r.cache)
+                self._add_member(r.cache)
+        try:
+            logits = arena.step(self.model, requests)
+        except BaseException as e:  # the members' caches are part-stepped: each rewinds its own
+            for cache in list(arena.members):
+                self._leave(cache)
+            for r in requests:
+                r.error = e
+                r.done.set()
+            return
+        self.steps += 1
+        self.rows_stepped += len(requests)
+        for r in requests:
+            r.logits = logits[arena.row_of(r.cache)]
+            r.done.set()
+        for cache in arena.idle_too_long():
+            self._leave(cache)
+
+    def _alone(self, request):
+        try:
+            with torch.no_grad():
+                out = self.model(request.input_ids, cache=request.cache, logits_to_keep=1)
+            request.logits = out.logits[0, -1].float()
+        except BaseException as e:
+            request.error = e
+        request.done.set()
+
+    def _leave(self, cache):
+        for key, arena in list(self.arenas.items()):
+            if cache in arena.members:
+                arena.leave(cache)
+                if not arena.members:
+                    del self.arenas[key]  # its buffers go back to the allocator
+        with self._cond:
+            self._members.discard(id(cache))
+
+    def _add_member(self, cache):
+        with self._cond:
+            self._members.add(id(cache))
+            self.largest_batch = max(self.largest_batch, len(self._members))
+
+
+def arena_key(cache):
+    """What conversations must share to be stacked: how their caches score and evict."""
+    c, lim = cache.config, cache.limits
+    return c.policy, c.score, c.decay, c.positions, lim.budget, lim.n_sink, lim.n_recent
+
+
+class Arena:
+    """The stacked caches of conversations with the same cache settings; row r is members[r]."""
+
+    def __init__(self):
+        self.members = []  # H2OCache per row
+        self.idle = []  # steps each member has sat out in a row
+        self.kv = self.meta = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META, rows, kv_heads, cap]
+        self.steps = None  # per layer: make_step's views for the current number of rows
+
+    @property
+    def rows(self):
+        return self.kv[0].shape[1] if self.kv else 0
+
+    def row_of(self, cache):
+        return next(r for r, c in enumerate(self.members) if c is cache)
+
+    def join(self, cache):
+        if len(self.members) == self.rows:
+            self._grow(max(1, 2 * self.rows), cache)
+        r = len(self.members)
+        for l, layer in enumerate(cache.layers):
+            self.kv[l][:, r : r + 1].copy_(layer.kv)
+            self.meta[l][:, r : r + 1].copy_(layer.meta)
+            layer.set_buffers(self.kv[l][:, r : r + 1], self.meta[l][:, r : r + 1], layer.n_slots)
+        self.members.append(cache)
+        self.idle.append(0)
+        self.steps = None
+
+    def leave(self, cache):
+        """Copy `cache`'s row into buffers of its own (if it still uses the row: a cache that
+        reset or restored a differently sized snapshot already has its own), then move the last
+        row into the hole."""
+        r, last = self.row_of(cache), len(self.members) - 1
+        if self._holds(cache, r):
+            for layer in cache.layers:
+                own = torch.contiguous_format
+                layer.set_buffers(layer.kv.clone(memory_format=own), layer.meta.clone(memory_format=own), layer.n_slots)
+        if r != last:
+            moved = self.members[last]
+            held = self._holds(moved, last)
+            for l, layer in enumerate(moved.layers):
+                self.kv[l][:, r].copy_(self.kv[l][:, last])
+                self.meta[l][:, r].copy_(self.meta[l][:, last])
+                if held:
+                    layer.set_buffers(self.kv[l][:, r : r + 1], self.meta[l][:, r : r + 1], layer.n_slots)
+            self.members[r], self.idle[r] = moved, self.idle[last]
+        self.members.pop()
+        self.idle.pop()
+        self.steps = None
+
+    def idle_too_long(self):
+        return [c for c, idle in zip(self.members, self.idle) if idle > IDLE_STEPS or not self._holds(c, self.row_of(c))]
+
+    def _holds(self, cache, r):
+        layer = cache.layers[0]
+        return layer.kv is not None and layer.kv.data_ptr() == self.kv[0][:, r : r + 1].data_ptr() \
+            and layer.kv.shape[3] == self.kv[0].shape[3]
+
+    def _grow(self, rows, like):
+        kv, meta = [], []
+        for l, layer in enumerate(like.layers):
+            _, _, h, cap, d = layer.kv.shape
+            kv.append(layer.kv.new_zeros(2, rows, h, cap, d))  # zeros: a free slot's value times 0 is 0, never NaN
+            meta.append(layer.meta.new_zeros(N_META, rows, h, cap))
+            if self.kv:
+                kv[l][:, : self.rows].copy_(self.kv[l])
+                meta[l][:, : self.rows].copy_(self.meta[l])
+        held = [self._holds(c, r) for r, c in enumerate(self.members)]
+        self.kv, self.meta = kv, meta
+        for r, cache in enumerate(self.members):
+            if held[r]:
+                for l, layer in enumerate(cache.layers):
+                    layer.set_buffers(kv[l][:, r : r + 1], meta[l][:, r : r + 1], layer.n_slots)
+
+    @torch.no_grad()
+    def step(self, model, requests):
+        """One decode step of `requests` (a token each, for members): a batched forward over
+        every row, where a member without a request sits this step out unchanged. Returns the
+        logits [rows, vocab] float32."""
+        n, first = len(self.members), self.members[0]
+        asked = {id(r.cache): r for r in requests}
+        active = [id(c) in asked for c in self.members]
+        self.idle = [0 if a else i + 1 for a, i in zip(active, self.idle)]
+        dev = first.layers[0].kv.device
+        dummy = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        input_ids = torch.cat([asked[id(c)].input_ids if id(c) in asked else dummy for c in self.members])
+        n_seen = [c.layers[0].n_seen for c in self.members]
+        for cache in self.members:
+            cache._check_positions(cache.layers[0].n_seen + 1)
+            for layer in cache.layers:
+                if layer.pins_seen != cache.pins_version:
+                    layer.refresh_protection(cache)
+        text = model.config.get_text_config(decoder=True)
+        rows = self._row_state(n_seen, active, text.num_attention_heads // text.num_key_value_heads)
+        if self.steps is None:
+            self.steps = [None] * len(self.kv)
+        stacked = StackedCache(self, rows, n)
+        position_ids = torch.tensor(n_seen, device=dev)[:, None]
+        logits = model(input_ids, position_ids=position_ids, cache=stacked, logits_to_keep=1).logits[:, -1].float()
+        for cache, on in zip(self.members, active):
+            if on:
+                for layer in cache.layers:
+                    layer.n_seen += 1
+                    if layer.n_slots < cache.limits.budget:
+                        layer.n_slots += 1
+                        layer._views()
+                    cache._maybe_roll(layer)
+        return logits
+
+    def _row_state(self, n_seen, active, group):
+        """What differs between the rows of one step, shared by every layer (see attend_and_replace)."""
+        first = self.members[0]
+        layer, lim, config = first.layers[0], first.limits, first.config
+        _, _, h, cap, _ = layer.kv.shape
+        n, dev, acc = len(self.members), layer.kv.device, score_dtype(layer.kv.dtype)
+        on = torch.tensor(active, dtype=acc, device=dev)
+        next_id = torch.tensor(n_seen, dtype=layer.meta.dtype, device=dev)
+        n_slots = [c.layers[0].n_slots for c in self.members]
+        empty = None
+        if any(s < lim.budget for s in n_slots):  # free slots: [n_slots, budget) of each row
+            slot = torch.arange(cap, device=dev)
+            filled = torch.tensor(n_slots, device=dev)[:, None]
+            empty = ((slot >= filled) & (slot < lim.budget))[:, None]  # [rows, 1, cap]
+        return SimpleNamespace(
+            next_id=next_id,
+            pinned=[r for r, c in enumerate(self.members) if active[r] and c.is_pinned(n_seen[r])],
+            threshold=(next_id + 1 - lim.n_recent).view(n, 1, 1),
+            weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
+            beta=torch.where(on > 0, config.decay, 1.0).to(acc).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),
+            query_add=on.view(n, 1, 1),
+            empty=empty,
+            idle=None if all(active) else (on == 0).view(n, 1, 1),
+        )
+
+
+class StackedLayer(CacheLayerMixin):
+    """What transformers asks of a layer of the stacked cache (the work is in StackedCache.attend)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("StackedLayer is updated through StackedCache")
+
+    def get_seq_length(self):
+        return 0
+
+    def get_mask_sizes(self, query_length):
+        return query_length, 0  # the "h2o" attention ignores the mask: make it as small as it can be
+
+    def get_max_length(self):
+        return -1
+
+
+class StackedCache(Cache):
+    """The cache one batched decode step runs with: rows [0, n) of an arena, one token each."""
+
+    def __init__(self, arena, rows, n):
+        self.arena, self.rows, self.n = arena, rows, n
+        self.pending = [None] * len(arena.kv)
+        super().__init__(layers=[StackedLayer() for _ in arena.kv])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.pending[layer_idx] = (key_states, value_states)
+        kwargs["kwargs"]["h2o_cache"] = self  # the "h2o" attention calls attend() below
+        return key_states, value_states
+
+    def attend(self, layer_idx, query, scaling):
+        """query [rows, q_heads, 1, head_dim] -> [rows, 1, q_heads, head_dim]."""
+        keys, values = self.pending[layer_idx]
+        self.pending[layer_idx] = None
+        arena, rows, n = self.arena, self.rows, self.n
+        kv, meta = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n]
+        s = arena.steps[layer_idx]
+        if s is None:
+            s = arena.steps[layer_idx] = make_step(kv, meta, query, scaling)
+        s.spare_k.copy_(keys)
+        s.spare_v.copy_(values)
+        s.spare_ints.copy_(rows.next_id.view(1, n, 1).expand(KEY - IDS + 1, n, kv.shape[2]))  # id, position, key
+        for r in rows.pinned:
+            s.spare_key[r].fill_(torch.iinfo(meta.dtype).max)
+        s.spare_acc.fill_(0)
+        return attend_and_replace(s, kv, meta, query, arena.members[0].config, rows)
