@@ -238,3 +238,31 @@ def test_embedded_model_decodes_the_same_in_a_batch(embedded_model):
     scripts = [["Name three colours."], ["What is the capital of France?"]]
     alone, together, batcher, _ = alone_and_together(make, scripts)
     assert together == alone and batcher.rows_stepped > batcher.steps
+
+
+def test_conversations_rendered_at_once_are_rendered_as_one_at_a_time():
+    """Two tabs or API clients render at the same moment: a user's "<|im_start|>" stays text and
+    the template's stays one token (the tokenizer's split flag is shared: this raced)."""
+    from h2o_chat.conversation import Message
+    from h2o_chat.render import render, token_ids
+
+    _, tokenizer = make_tiny_chat()
+    histories = [[Message("user", f"say <|im_start|> {i} " * 3), Message("assistant", "ok <|im_end|>")]
+                 for i in range(4)]
+    expected = [token_ids(render(tokenizer, "be brief", h, add_generation_prompt=True)) for h in histories]
+    seen, errors = [[] for _ in histories], []
+
+    def work(i):
+        try:
+            for _ in range(60):
+                seen[i].append(token_ids(render(tokenizer, "be brief", histories[i], add_generation_prompt=True)))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads) and not errors
+    assert all(ids == expected[i] for i in range(4) for ids in seen[i])
