@@ -138,8 +138,7 @@ def test_conversations_with_different_cache_settings_batch_apart():
 
 def test_a_pinned_message_stays_whole_in_a_batch():
     model, tokenizer = tiny()
-    budget = 40
-    make = session_maker(model, tokenizer, [dict(policy="h2o", budget=budget, n_sink=2, n_recent=6)])
+    make = session_maker(model, tokenizer, [dict(policy="h2o", budget=64, n_sink=2, n_recent=6)])
 
     def pinned_then(i, batcher):
         session = make(i, batcher)
@@ -152,6 +151,7 @@ def test_a_pinned_message_stays_whole_in_a_batch():
     alone, together, batcher, sessions = alone_and_together(pinned_then, scripts)
     assert together == alone and batcher.rows_stepped > batcher.steps
     for s in sessions:
+        assert s.cache.get_seq_length() > 64  # the pin held under eviction
         start, end = s.cache.pins[0]
         for layer in range(len(s.cache.layers)):
             ids = s.cache.token_ids(layer)[0]
