@@ -320,7 +320,7 @@ class Arena:
             pinned=[r for r, c in enumerate(self.members) if active[r] and c.is_pinned(n_seen[r])],
             threshold=(next_id + 1 - lim.n_recent).view(n, 1, 1),
             weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
-            beta=torch.where(on > 0, config.decay, 1.0).to(acc).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),
+            beta=(1 + on * (config.decay - 1)).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),  # in acc
             query_add=on.view(n, 1, 1),
             empty=empty,
             idle=None if all(active) else (on == 0).view(n, 1, 1),

@@ -96,10 +96,23 @@ def run_together(make_session, scripts, batcher, start_after=None):
 
 
 def alone_and_together(make_session, scripts, max_batch=None, start_after=None):
-    alone = [converse(make_session(i, None), script) for i, script in enumerate(scripts)]
+    alone_sessions = [make_session(i, None) for i in range(len(scripts))]
+    alone = [converse(session, script) for session, script in zip(alone_sessions, scripts)]
     batcher = Batcher(make_session.model, max_batch=max_batch or len(scripts), gather_s=GATHER_S)
     together, sessions = run_together(make_session, scripts, batcher, start_after)
+    for a, b in zip(alone_sessions, sessions):
+        assert_same_cache(a.cache, b.cache)
     return alone, together, batcher, sessions
+
+
+def assert_same_cache(a, b):
+    """The same tokens in the same slots of every layer and head, at the same positions, with the
+    same scores (to float64 rounding: a batched matmul adds in another order)."""
+    assert a.get_seq_length() == b.get_seq_length()
+    for layer in range(len(a.layers)):
+        assert torch.equal(a.token_ids(layer), b.token_ids(layer))
+        assert torch.equal(a.positions(layer), b.positions(layer))
+        torch.testing.assert_close(a.scores(layer), b.scores(layer), rtol=1e-9, atol=1e-12)
 
 
 def session_maker(model, tokenizer, caches, max_new_tokens=40, **kwargs):
