@@ -30,7 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)")
     p.add_argument("--data-dir", default=str(Path.home() / ".local" / "share" / "h2o-chat"),
                    help="where sessions are autosaved")
-    p.add_argument("--concurrency", type=int, default=1, help="replies generated at once across all tabs (default 1)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="replies generated at once across all tabs and API clients, decoded together in one batch "
+                        "(default 1)")
     p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the /v1 API (default: $H2O_CHAT_API_KEY; with "
                         "--auth and no key the API refuses every request)")
@@ -62,11 +64,13 @@ def main(argv=None):
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
     except (ValueError, ModelLoadError) as e:
         sys.exit(f"h2o-chat: {e}")
-    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency)
-    demo.queue(default_concurrency_limit=args.concurrency)
     from h2o_chat.api import create_router
+    from h2o_chat.batch import Batcher
+    batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
+    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher)
+    demo.queue(default_concurrency_limit=args.concurrency)
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
-                        closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib)
+                        closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher)
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,

@@ -191,7 +191,7 @@ def read_cache(body, defaults, n_system, n_chat):
 # --- the routes ---------------------------------------------------------------------------------
 
 def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None, closed=False, concurrency=1,
-                  max_kv_mib=1024, model_id=None):
+                  max_kv_mib=1024, model_id=None, batcher=None):
     """The `/v1` routes and `/health`. api_key: required as `Authorization: Bearer KEY` on `/v1`;
     closed (the UI has a login and no key was given): `/v1` refuses every request, so the API is
     never open where the UI is not. model None: the model is still loading (503)."""
@@ -200,13 +200,13 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
 
     def make_session(kind, cache, system_prompt):
         if kind == "text":
-            return TextSession(model, tokenizer, cache=cache)
-        return ChatSession(model, tokenizer, cache=cache, system_prompt=system_prompt,
-                           data_dir=data_dir)
+            return TextSession(model, tokenizer, cache=cache, batcher=batcher)
+        return ChatSession(model, tokenizer, cache=cache, system_prompt=system_prompt, data_dir=data_dir,
+                           batcher=batcher)
 
     pool = SessionPool(make_session, int(max_kv_mib * 2**20))
     router = APIRouter()
-    router.pool = pool  # for tests and the bench: what is live
+    router.pool, router.batcher = pool, batcher  # for tests and the bench: what is live
 
     def check_access(request):
         if closed:

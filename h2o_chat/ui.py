@@ -46,10 +46,10 @@ class Tab:
         return self.streamed(session, state) + tuple(ui_settings.values(session))
 
 
-def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None):
+def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None):
     """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
     ChatSession arguments (sampling, system prompt)."""
-    app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency)
+    app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher)
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
         session = gr.State(None, delete_callback=lambda s: s.close() if s is not None else None)
         state = gr.State(new_view())  # the panel's layer and head, per tab

@@ -28,6 +28,7 @@ class App:
     data_dir: str | None
     chat_defaults: dict = field(default_factory=dict)
     concurrency: int = 1
+    batcher: object = None  # batch.Batcher shared with the API when --concurrency > 1
 
     @property
     def n_layers(self):
@@ -39,7 +40,7 @@ class App:
 
     def new_session(self):
         return ChatSession(self.model, self.tokenizer, cache=dict(self.cache_defaults), data_dir=self.data_dir,
-                           **self.chat_defaults)
+                           batcher=self.batcher, **self.chat_defaults)
 
     def open(self, conversation_id, progress=None):
         """A saved conversation, replayed through a fresh cache (with a progress bar when given)."""
@@ -49,7 +50,8 @@ class App:
         if progress is not None:
             on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the conversation")  # noqa: E731
         try:
-            return ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir, on_progress=on_progress)
+            return ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir, on_progress=on_progress,
+                                    batcher=self.batcher)
         except store.SessionFileError as e:
             raise ValueError(str(e)) from None
 

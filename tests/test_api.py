@@ -17,6 +17,7 @@ import app as app_main
 import h2o_chat
 from h2o_chat import ChatSession, store
 from h2o_chat.api import create_router
+from h2o_chat.batch import Batcher
 from h2o_chat.pool import LENT_WAIT_S, SessionPool
 from h2o_chat.ui import CSS, build
 from tests.conftest import make_tiny_chat
@@ -34,9 +35,11 @@ def api_server(data_dir, model=None, tokenizer=None, concurrency=2, **router_kwa
     """The UI and the API on one free port, as app.py mounts them; yields (base_url, router)."""
     if model is None:
         model, tokenizer = make_tiny_chat(torch.float64)
-    demo = build(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency)
+    batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py shares one
+    demo = build(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency, batcher=batcher)
     demo.queue(default_concurrency_limit=concurrency)
-    router = create_router(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency, **router_kwargs)
+    router = create_router(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency, batcher=batcher,
+                           **router_kwargs)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, css=CSS,
                 show_error=True, app_kwargs={"routes": router.routes})
@@ -394,6 +397,42 @@ def test_a_client_that_disconnects_mid_stream_frees_the_generator(tmp_path):
         stream.close()
         swipe = chat(client, [{"role": "user", "content": "go on"}], max_tokens=3)
         assert cached(swipe) == swipe.usage.prompt_tokens
+
+
+def test_clients_decoded_in_one_batch_get_what_each_gets_alone_and_a_disconnect_stops_only_its_own(tmp_path):
+    """--concurrency 3: three streaming clients share the batched decode steps. One goes away
+    mid-reply; the other two still get exactly the reply each gets alone."""
+    model, tokenizer = never_ending(*make_tiny_chat(torch.float64))
+    with api_server(tmp_path, model, tokenizer, concurrency=3) as (url, router):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
+        convs = [[{"role": "user", "content": f"Tell me about {word}."}] for word in ("apples", "rivers")]
+        alone = [streamed(client, c, max_tokens=60)[0] for c in convs]
+        batcher = router.batcher
+        steps_before = batcher.steps
+        leaving = client.chat.completions.create(model="h2o-chat", messages=[{"role": "user", "content": "go on"}],
+                                                 max_tokens=1_000_000, stream=True)
+        next(leaving)
+        together = [None, None]
+
+        def ask(i):
+            together[i] = streamed(client, convs[i], max_tokens=60)[0]
+
+        threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while batcher.largest_batch < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        leaving.close()  # the first client goes away while the others stream beside it
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in threads)
+        assert together == alone
+        assert batcher.largest_batch == 3 and batcher.rows_stepped - steps_before > batcher.steps - steps_before
+        deadline = time.monotonic() + 10
+        while batcher.batch_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert batcher.batch_size == 0  # every reply has ended: no rows are held
 
 
 def test_a_request_waits_briefly_for_the_busy_session_that_holds_its_history():
