@@ -10,6 +10,8 @@
     prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
     panel    what the live panel costs: render time of a long conversation's panel, and decode
              tokens/s with the panel refreshed as the app does while streaming vs not at all
+    concurrent  1, 2, 4, 8 chats at once through the API (decoded in one batch) against the
+             same chats one at a time: aggregate and per-chat tokens/s, TTFT (bench_concurrent.py)
 
 Every figure comes from running the model here; results go to --out as JSON and Markdown.
 """
@@ -26,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from . import kvpress_worker, llamacpp_worker
+from . import bench_concurrent, kvpress_worker, llamacpp_worker
 from .cache import H2OCache
 from .model import embedded_gguf_path, load_model
 from .session import ChatSession
@@ -692,6 +694,16 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     add_quick(p, turns=8, new_tokens=16)
     p.set_defaults(run=cmd_soak)
+    p = sub.add_parser("concurrent", help="N chats at once through the API (one batch) vs one at a time")
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
+    p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))
+    p.add_argument("--turns", type=int, default=2, help="turns of each chat")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2, help="OMP threads of each server")
+    p.add_argument("--h2o-args", default="", help="more app.py flags for both servers, e.g. '--dtype float32'")
+    add_quick(p, sizes=[1, 2], turns=1, max_tokens=8)
+    p.set_defaults(run=bench_concurrent.cmd_concurrent)
     args = parser.parse_args(argv)
     apply_quick(args, argv)
     args.command_line = "python -m h2o_chat.bench " + " ".join(argv)  # what the results say made them

@@ -525,3 +525,22 @@ def test_bench_api_drives_a_chat_through_app_py(tmp_path):
     for before, after in zip(rows, rows[1:]):  # every earlier prompt and reply is served from the cache
         assert after["cached_tokens"] == before["prompt_tokens"] + before["completion_tokens"]
     assert (tmp_path / "api_vs_llamacpp.md").read_text().startswith("Command: `python -m h2o_chat.bench_api")
+
+
+def test_bench_concurrent_runs_chats_together_and_one_at_a_time(tmp_path):
+    from h2o_chat import bench
+    from tests.live import save_tiny_chat
+
+    folder = save_tiny_chat(tmp_path / "tiny")
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps({"turns": [f"Question {i}?", "And then?"]}) + "\n" for i in range(3)))
+    bench.main(["--model", str(folder), "--out", str(tmp_path), "concurrent", "--sizes", "1,3", "--turns", "2",
+                "--max-tokens", "6", "--turns-file", str(questions), "--budget", "48",
+                "--h2o-args=--n-sink 2 --n-recent 16"])
+    results = json.loads((tmp_path / "concurrent.json").read_text())["sizes"]
+    assert list(results) == ["1", "3"]
+    for row in results.values():
+        for arm in ("together", "one_at_a_time"):
+            assert row[arm]["tokens"] > 0 and row[arm]["aggregate_tok_s"] > 0
+        assert row["same_replies"]  # greedy, float32 on the tiny model: batched or not, the same text
+    assert len(results["3"]["together_texts"]) == 3

@@ -1,0 +1,142 @@
+"""`python -m h2o_chat.bench concurrent`: N chats at once through the API, decoded in one batch,
+against the same chats one at a time.
+
+Two servers (app.py in their own processes, the same flags but --concurrency): "together" with
+--concurrency max(sizes), where N clients stream at once and their decode steps share one batched
+forward; "one at a time" with --concurrency 1, where the same N chats run one after another. For
+each N the two arms run back to back (alternating which goes first), with the `openai` client,
+streamed and greedy, so both generate the same tokens. Chat i is MT-Bench question i: its turns
+in order, each resending the history.
+
+Reported per N and arm: aggregate tokens/s (every completion token / wall time of the whole
+run, prefills included), per-chat decode tokens/s (a chat's tokens after its first one / the
+time it spent streaming them; median over chats) and TTFT (request -> first text; median and
+max over every turn). Time it alone: `flock -x /tmp/h2o-cpu.lock python -m h2o_chat.bench concurrent`.
+"""
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from .bench_api import start_h2o, wait_healthy
+from .llamacpp_worker import free_port
+
+
+def stream_turn(client, model, messages, max_tokens):
+    """One streamed greedy reply: (text, ttft_s, completion_tokens, streaming_s)."""
+    start, first, pieces, usage = time.perf_counter(), None, [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first = first or time.perf_counter()
+                pieces.append(choice.delta.content)
+    end = time.perf_counter()
+    return "".join(pieces), (first or end) - start, usage.completion_tokens, end - (first or end)
+
+
+def run_chat(url, model, turns, max_tokens):
+    """One chat, turn after turn: a row per turn."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", timeout=900, max_retries=0)
+    messages, rows = [], []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        reply, ttft, tokens, streaming = stream_turn(client, model, messages, max_tokens)
+        messages.append({"role": "assistant", "content": reply})
+        rows.append({"ttft_s": ttft, "tokens": tokens, "streaming_s": streaming, "text": reply})
+    return rows
+
+
+def run_arm(url, model, chats, max_tokens, together):
+    """Every chat, all at once (threads) or one after another: (wall_s, rows per chat)."""
+    results = [None] * len(chats)
+
+    def work(i):
+        results[i] = run_chat(url, model, chats[i], max_tokens)
+
+    start = time.perf_counter()
+    if together:
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(chats))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(3600)
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError("a chat did not finish within an hour")
+    else:
+        for i in range(len(chats)):
+            work(i)
+    return time.perf_counter() - start, results
+
+
+def summary(wall_s, chats):
+    rows = [row for chat in chats for row in chat]
+    per_chat = [(sum(r["tokens"] for r in chat) - len(chat)) / sum(r["streaming_s"] for r in chat)
+                for chat in chats if sum(r["streaming_s"] for r in chat) > 0]
+    ttft = [r["ttft_s"] for r in rows]
+    return {"aggregate_tok_s": round(sum(r["tokens"] for r in rows) / wall_s, 2), "wall_s": round(wall_s, 2),
+            "per_chat_tok_s": round(statistics.median(per_chat), 2) if per_chat else None,
+            "ttft_median_s": round(statistics.median(ttft), 3), "ttft_max_s": round(max(ttft), 3),
+            "tokens": sum(r["tokens"] for r in rows)}
+
+
+def cmd_concurrent(args):
+    import httpx
+
+    questions = [json.loads(line)["turns"] for line in Path(args.turns_file).read_text().splitlines()]
+    if len(questions) < max(args.sizes):
+        raise SystemExit(f"bench concurrent: {args.turns_file} has {len(questions)} questions, fewer than {max(args.sizes)}")
+    extra = [*(["--model", args.model] if args.model else []), "--budget", str(args.budget), *args.h2o_args.split()]
+    servers = {}
+    for arm, concurrency in (("together", max(args.sizes)), ("one_at_a_time", 1)):
+        port = free_port()
+        servers[arm] = (f"http://127.0.0.1:{port}", start_h2o(port, args.threads, [*extra, "--concurrency", str(concurrency)]))
+    results = {"meta": {"command": args.command_line, "sizes": args.sizes, "turns": args.turns,
+                        "max_tokens": args.max_tokens, "budget": args.budget, "threads": args.threads}, "sizes": {}}
+    try:
+        for url, process in servers.values():
+            wait_healthy(url, process)
+        model = httpx.get(servers["together"][0] + "/v1/models").json()["data"][0]["id"]
+        for url, _ in servers.values():  # the first request of a process pays for its warm-up
+            run_chat(url, model, questions[0][:1], 4)
+        for k, n in enumerate(args.sizes):
+            chats = [q[: args.turns] for q in questions[:n]]
+            row = {}
+            for arm in (("together", "one_at_a_time") if k % 2 == 0 else ("one_at_a_time", "together")):
+                wall, chat_rows = run_arm(servers[arm][0], model, chats, args.max_tokens, arm == "together")
+                row[arm] = summary(wall, chat_rows)
+                row[arm + "_texts"] = [[r["text"] for r in chat] for chat in chat_rows]
+                print(f"{n} chats, {arm}: {row[arm]}", flush=True)
+            row["same_replies"] = row["together_texts"] == row["one_at_a_time_texts"]
+            results["sizes"][n] = row
+    finally:
+        for _, process in servers.values():
+            process.terminate()
+            process.wait(30)
+    alone = results["sizes"].get(1, {}).get("one_at_a_time")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "concurrent.json").write_text(json.dumps(results, indent=1))
+    (out / "concurrent.md").write_text(markdown(results, alone))
+    print(markdown(results, alone))
+
+
+def markdown(results, alone):
+    """The table: per N, both arms, and the ratios to one chat alone."""
+    lines = [f"Command: `{results['meta']['command']}`", "",
+             "| chats | arm | aggregate tok/s | x one chat alone | per-chat tok/s | x alone | TTFT median s | TTFT max s | same replies |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, row in results["sizes"].items():
+        for arm in ("together", "one_at_a_time"):
+            s = row[arm]
+            agg = f"{s['aggregate_tok_s'] / alone['aggregate_tok_s']:.2f}x" if alone else ""
+            per = f"{s['per_chat_tok_s'] / alone['per_chat_tok_s']:.2f}x" if alone and s["per_chat_tok_s"] else ""
+            lines.append(f"| {n} | {arm.replace('_', ' ')} | {s['aggregate_tok_s']} | {agg} | {s['per_chat_tok_s']} | "
+                         f"{per} | {s['ttft_median_s']} | {s['ttft_max_s']} | {row['same_replies']} |")
+    return "\n".join(lines) + "\n"
