@@ -104,20 +104,31 @@ class Batcher:
                 self._gather()
                 requests, self._pending = self._pending, []
                 leaving, self._leaving = self._leaving, []
-            for cache, done in leaving:
-                self._leave(cache)
-                done.set()
-            decode = [r for r in requests if self._stackable(r)]
-            alone = [r for r in requests if r not in decode]
-            for r in alone:
-                if id(r.cache) in self._members:  # a member that reset or grew: it runs on its own now
-                    self._leave(r.cache)
-            for key in {arena_key(r.cache) for r in decode}:
-                self._step(key, [r for r in decode if arena_key(r.cache) == key])
-            if alone:  # one prefill chunk (or unstackable step) between two decode steps
-                self._alone(alone[0])
-                with self._cond:
-                    self._pending[:0] = alone[1:]
+            try:
+                self._serve(requests, leaving)
+            except BaseException as e:  # a bug here must fail its callers, never leave them waiting
+                for r in requests:
+                    if not r.done.is_set() and r not in self._pending:
+                        r.error = e
+                        r.done.set()
+                for _, done in leaving:
+                    done.set()
+
+    def _serve(self, requests, leaving):
+        for cache, done in leaving:
+            self._leave(cache)
+            done.set()
+        decode = [r for r in requests if self._stackable(r)]
+        alone = [r for r in requests if r not in decode]
+        for r in alone:
+            if id(r.cache) in self._members:  # a member that reset or grew: it runs on its own now
+                self._leave(r.cache)
+        for key in {arena_key(r.cache) for r in decode}:
+            self._step(key, [r for r in decode if arena_key(r.cache) == key])
+        if alone:  # one prefill chunk (or unstackable step) between two decode steps
+            with self._cond:
+                self._pending[:0] = alone[1:]
+            self._alone(alone[0])
 
     def _gather(self):
         """Wait, briefly, until every stacked conversation has handed in its next token."""

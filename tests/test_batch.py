@@ -279,3 +279,14 @@ def test_conversations_rendered_at_once_are_rendered_as_one_at_a_time():
         t.join(DEADLINE_S)
     assert not any(t.is_alive() for t in threads) and not errors
     assert all(ids == expected[i] for i in range(4) for ids in seen[i])
+
+
+def test_a_bug_in_the_batcher_fails_its_callers_instead_of_hanging_them(monkeypatch):
+    model, tokenizer = tiny()
+    batcher = Batcher(model, max_batch=2, gather_s=GATHER_S)
+    session = session_maker(model, tokenizer, [dict(policy="h2o", budget=24, n_sink=2, n_recent=6)])(0, batcher)
+    monkeypatch.setattr(Batcher, "_stackable", lambda self, request: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        list(session.send("hello"))
+    monkeypatch.undo()
+    assert "".join(session.send("hello again"))  # the batcher thread lived on
