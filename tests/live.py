@@ -6,6 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
+from h2o_chat.batch import Batcher
 from h2o_chat.ui import CSS, HEAD, build
 from tests.conftest import make_tiny_chat
 
@@ -24,7 +25,9 @@ def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, po
         model, tokenizer = make_tiny_chat()
     defaults = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
     cache = dict(defaults, **(cache or {}))
-    demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults)
+    batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py makes one
+    demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults,
+                 batcher=batcher)
     demo.queue(default_concurrency_limit=concurrency)
     port = port or free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, head=HEAD, quiet=True,
