@@ -194,36 +194,65 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
                   max_kv_mib=1024, model_id=None, batcher=None):
     """The `/v1` routes and `/health`. api_key: required as `Authorization: Bearer KEY` on `/v1`;
     closed (the UI has a login and no key was given): `/v1` refuses every request, so the API is
-    never open where the UI is not. model None: the model is still loading (503)."""
-    model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
-    workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
-
-    def make_session(kind, cache, system_prompt):
-        if kind == "text":
-            return TextSession(model, tokenizer, cache=cache, batcher=batcher)
-        return ChatSession(model, tokenizer, cache=cache, system_prompt=system_prompt, data_dir=data_dir,
-                           batcher=batcher)
-
-    pool = SessionPool(make_session, int(max_kv_mib * 2**20))
+    never open where the UI is not. model None: the model is still loading (503). batcher: the
+    app's batch.Batcher, shared with the UI (None: each reply runs the model in its own worker)."""
+    api = Api(model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib, model_id, batcher)
     router = APIRouter()
-    router.pool, router.batcher = pool, batcher  # for tests and the bench: what is live
+    router.pool, router.batcher = api.pool, batcher  # for tests and the bench: what is live
+    router.add_api_route("/health", api.health, methods=["GET"])
+    for path, handler, method in (("/v1/models", api.models, "GET"),
+                                  ("/v1/chat/completions", api.chat_completions, "POST"),
+                                  ("/v1/completions", api.completions, "POST")):
+        router.add_api_route(path, api.guarded(handler), methods=[method])
+    router.add_api_route("/v1/{path:path}", api.unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    return router
 
-    def check_access(request):
-        if closed:
+
+class Api:
+    """What the routes share: the model, the pool of live sessions, the worker slots and the
+    access rules. A request is read into a Job, run by a worker thread, and answered whole or as
+    server-sent events from the worker's events."""
+
+    def __init__(self, model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib,
+                 model_id, batcher):
+        self.model, self.tokenizer, self.cache_defaults, self.data_dir = model, tokenizer, cache_defaults, data_dir
+        self.api_key, self.closed, self.batcher = api_key, closed, batcher
+        self.model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
+        self.workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
+        self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20))
+
+    def make_session(self, kind, cache, system_prompt):
+        if kind == "text":
+            return TextSession(self.model, self.tokenizer, cache=cache, batcher=self.batcher)
+        return ChatSession(self.model, self.tokenizer, cache=cache, system_prompt=system_prompt,
+                           data_dir=self.data_dir, batcher=self.batcher)
+
+    # --- access ----------------------------------------------------------------------------------
+    def check_access(self, request):
+        if self.closed:
             raise ApiError(401, "this server has a UI login (--auth) and no API key: start it with --api-key "
                                 "(or H2O_CHAT_API_KEY) to use the API", code="invalid_api_key")
-        if api_key is None:
+        if self.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
                            code="invalid_api_key")
 
-    def check_ready():
-        if model is None:
-            raise ApiError(503, "the model is loading; try again shortly")
+    def guarded(self, handler):
+        """The route: access and readiness checked, every ApiError answered in OpenAI's shape."""
+        async def route(request: Request):
+            try:
+                self.check_access(request)
+                if self.model is None:
+                    raise ApiError(503, "the model is loading; try again shortly")
+                return await handler(request)
+            except ApiError as e:
+                return e.response()
+        route.__name__ = handler.__name__
+        return route
 
-    async def read_body(request):
+    async def read_body(self, request):
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -231,43 +260,32 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         model_name = body.get("model")
-        if model_name not in (None, model_id):
-            raise ApiError(404, f"the model {model_name!r} does not exist; this server has {model_id!r}",
+        if model_name not in (None, self.model_id):
+            raise ApiError(404, f"the model {model_name!r} does not exist; this server has {self.model_id!r}",
                            "model", "model_not_found")
         return body
 
-    def errors(handler):
-        async def route(request: Request):
-            try:
-                check_access(request)
-                check_ready()
-                return await handler(request)
-            except ApiError as e:
-                return e.response()
-        route.__name__ = handler.__name__
-        return route
-
-    @router.get("/health")
-    async def health():
-        if model is None:
+    # --- the routes ------------------------------------------------------------------------------
+    async def health(self):
+        if self.model is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ok", "model": model_id}
+        return {"status": "ok", "model": self.model_id}
 
-    async def models(request):
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0,
+    async def models(self, request):
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                             "owned_by": "h2o-chat"}]}
 
-    async def chat_completions(request):
-        body = await read_body(request)
+    async def chat_completions(self, request):
+        body = await self.read_body(request)
         system_prompt, messages, n_system = read_messages(body.get("messages"))
         sampling = read_sampling(body)
-        cache, pinned = read_cache(body, cache_defaults, n_system, len(messages))
+        cache, pinned = read_cache(body, self.cache_defaults, n_system, len(messages))
         for turn in pinned:
             messages[turn]["pinned"] = True
-        return await run(request, Job("chat", system_prompt, messages, sampling, cache, *stream_flags(body)))
+        return await self.run(request, Job("chat", system_prompt, messages, sampling, cache, *stream_flags(body)))
 
-    async def completions(request):
-        body = await read_body(request)
+    async def completions(self, request):
+        body = await self.read_body(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -275,38 +293,29 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
             raise ApiError(400, "prompt must be one string", "prompt")
         prompt = _checked(prompt, "the prompt")
         sampling = read_sampling(body)
-        cache, pinned = read_cache(body, cache_defaults, 0, 0)
-        return await run(request, Job("text", None, [{"role": "user", "content": prompt, "pinned": False}],
-                                      sampling, cache, *stream_flags(body)))
+        cache, pinned = read_cache(body, self.cache_defaults, 0, 0)
+        return await self.run(request, Job("text", None, [{"role": "user", "content": prompt, "pinned": False}],
+                                           sampling, cache, *stream_flags(body)))
 
-    def stream_flags(body):
-        options = body.get("stream_options") or {}
-        return bool(body.get("stream")), bool(isinstance(options, dict) and options.get("include_usage"))
-
-    router.add_api_route("/v1/models", errors(models), methods=["GET"])
-    router.add_api_route("/v1/chat/completions", errors(chat_completions), methods=["POST"])
-    router.add_api_route("/v1/completions", errors(completions), methods=["POST"])
-
-    @router.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def unknown(request: Request, path: str):
+    async def unknown(self, request: Request, path: str):
         try:
-            check_access(request)
+            self.check_access(request)
             raise ApiError(404, f"no route /v1/{path}; this server has /v1/models, /v1/chat/completions and "
                                 "/v1/completions")
         except ApiError as e:
             return e.response()
 
-    # --- running a job ------------------------------------------------------------------------
-    def work(job, emit):
+    # --- running a job ---------------------------------------------------------------------------
+    def work(self, job, emit):
         """The worker thread: lend a session, feed the prompt, stream the reply as events
         ("start", prompt_tokens, cached_tokens), ("text", piece), ("end", finish_reason,
         completion_tokens) or ("error", ApiError)."""
         last = ("end", "stop", 0)
-        with workers:
+        with self.workers:
             session = None
             try:
                 if not job.cancelled.is_set():
-                    session, _ = pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
+                    session, _ = self.pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
                     job.session = session
                     last = reply(session, job, emit)
             except GenerationError as e:
@@ -318,10 +327,10 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
                 raise
             finally:
                 if session is not None:
-                    pool.release(session)
+                    self.pool.release(session)
         emit(last)  # once the session and the worker are free: the client's next request finds both
 
-    async def run(request, job):
+    async def run(self, request, job):
         loop = asyncio.get_running_loop()
         events = asyncio.Queue()
 
@@ -331,7 +340,7 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
             except RuntimeError:  # the server is shutting down
                 job.cancel()
 
-        threading.Thread(target=work, args=(job, emit), daemon=True, name="h2o-api").start()
+        threading.Thread(target=self.work, args=(job, emit), daemon=True, name="h2o-api").start()
         created, rid = int(time.time()), uuid.uuid4().hex[:24]
         try:
             first = await next_event(events, request, job)
@@ -343,46 +352,53 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
         if first[0] == "end":  # cancelled before it started
             return JSONResponse({}, status_code=499)
         _, prompt_tokens, cached = first
-        shape = Shape(job.kind, rid, created, model_id)
+        shape = Shape(job.kind, rid, created, self.model_id)
         if not job.stream:
             return await whole(events, request, job, shape, prompt_tokens, cached)
         return StreamingResponse(sse(events, job, shape, prompt_tokens, cached), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def whole(events, request, job, shape, prompt_tokens, cached):
-        text = []
+
+def stream_flags(body):
+    options = body.get("stream_options") or {}
+    return bool(body.get("stream")), bool(isinstance(options, dict) and options.get("include_usage"))
+
+
+async def whole(events, request, job, shape, prompt_tokens, cached):
+    """A non-streamed answer: the worker's events gathered into one response."""
+    text = []
+    while True:
+        event = await next_event(events, request, job)
+        if event[0] == "text":
+            text.append(event[1])
+        elif event[0] == "error":
+            return event[1].response()
+        else:
+            _, finish, completion_tokens = event
+            return shape.whole("".join(text), finish, usage(prompt_tokens, cached, completion_tokens))
+
+
+async def sse(events, job, shape, prompt_tokens, cached):
+    """A streamed answer: each event as a server-sent event, then [DONE]."""
+    try:
+        if job.kind == "chat":
+            yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
         while True:
-            event = await next_event(events, request, job)
+            event = await events.get()
             if event[0] == "text":
-                text.append(event[1])
+                yield shape.sse(shape.chunk(event[1]))
             elif event[0] == "error":
-                return event[1].response()
+                yield shape.sse({"error": json.loads(event[1].response().body)["error"]})
+                break
             else:
                 _, finish, completion_tokens = event
-                return shape.whole("".join(text), finish, usage(prompt_tokens, cached, completion_tokens))
-
-    async def sse(events, job, shape, prompt_tokens, cached):
-        try:
-            if job.kind == "chat":
-                yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
-            while True:
-                event = await events.get()
-                if event[0] == "text":
-                    yield shape.sse(shape.chunk(event[1]))
-                elif event[0] == "error":
-                    yield shape.sse({"error": json.loads(event[1].response().body)["error"]})
-                    break
-                else:
-                    _, finish, completion_tokens = event
-                    yield shape.sse(shape.chunk(None, finish))
-                    if job.include_usage:
-                        yield shape.sse(shape.usage_chunk(usage(prompt_tokens, cached, completion_tokens)))
-                    break
-            yield "data: [DONE]\n\n"
-        finally:  # a client that disconnects lands here too (the stream is cancelled): stop its reply
-            job.cancel()
-
-    return router
+                yield shape.sse(shape.chunk(None, finish))
+                if job.include_usage:
+                    yield shape.sse(shape.usage_chunk(usage(prompt_tokens, cached, completion_tokens)))
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # a client that disconnects lands here too (the stream is cancelled): stop its reply
+        job.cancel()
 
 
 def reply(session, job, emit):
