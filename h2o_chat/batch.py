@@ -118,7 +118,11 @@ class Batcher:
         for cache, done in leaving:
             self._leave(cache)
             done.set()
-        decode = [r for r in requests if self._stackable(r)]
+        decode, room = [], self.max_batch - len(self._members)
+        for r in requests:  # members first, then newcomers while there is room
+            if self._stackable(r) and (id(r.cache) in self._members or room > 0):
+                room -= id(r.cache) not in self._members
+                decode.append(r)
         alone = [r for r in requests if r not in decode]
         for r in alone:
             if id(r.cache) in self._members:  # a member that reset or grew: it runs on its own now
@@ -146,7 +150,7 @@ class Batcher:
             return False
         if any(layer.kv is None or layer.capacity != cache.limits.budget + 1 for layer in cache.layers):
             return False  # nothing fed yet, or an unbounded layer: it runs alone
-        return id(cache) in self._members or len(self._members) < self.max_batch
+        return True
 
     def _step(self, key, requests):
         arena = self.arenas.get(key)

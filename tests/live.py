@@ -28,6 +28,7 @@ def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, po
     batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py makes one
     demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults,
                  batcher=batcher)
+    demo.batcher = batcher  # for tests: who shared a batch
     demo.queue(default_concurrency_limit=concurrency)
     port = port or free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, head=HEAD, quiet=True,

@@ -272,3 +272,30 @@ def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tm
             assert page.locator("#chat .bot-row").first.inner_text().strip() == reply.strip()
     finally:
         context.close()
+
+
+def test_two_tabs_stream_at_once_in_one_batch(browser, tmp_path):
+    """--concurrency 2: two people in two tabs both get their replies streaming at the same time
+    (their decode steps share one batched forward), and Stop in one leaves the other streaming."""
+    model, tok = never_ending(*make_tiny_chat())
+    with live_app(tmp_path / "data", model, tok, cache=CACHE, concurrency=2, temperature=0,
+                  max_new_tokens=5000) as (url, demo):
+        contexts = [browser.new_context(viewport={"width": 1280, "height": 900}) for _ in range(2)]
+        try:
+            pages = [c.new_page() for c in contexts]
+            for page in pages:
+                page.goto(url)
+                page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+            for page, text in zip(pages, ("First tab here", "Second tab here")):
+                send(page, text)
+            for page in pages:
+                wait_for_more(page, "")
+            assert demo.batcher.largest_batch == 2
+            stopped = stop_and_settle(pages[0])
+            streaming = bot_text(pages[1])
+            wait_for_more(pages[1], streaming)  # the other tab goes on
+            assert bot_text(pages[0]) == stopped
+            stop_and_settle(pages[1])
+        finally:
+            for c in contexts:
+                c.close()
