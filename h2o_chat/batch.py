@@ -332,7 +332,9 @@ class Arena:
             empty = ((slot >= filled) & (slot < lim.budget))[:, None]  # [rows, 1, cap]
         return SimpleNamespace(
             next_id=next_id,
-            pinned=[r for r, c in enumerate(self.members) if active[r] and c.is_pinned(n_seen[r])],
+            # rows whose new token is never evicted: a sink (a chat shorter than n_sink) or pinned
+            always_kept=[r for r, c in enumerate(self.members)
+                         if active[r] and (n_seen[r] < lim.n_sink or c.is_pinned(n_seen[r]))],
             threshold=(next_id + 1 - lim.n_recent).view(n, 1, 1),
             weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
             beta=(1 + on * (config.decay - 1)).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),  # in acc
@@ -392,7 +394,7 @@ class StackedCache(Cache):
         s.spare_k.copy_(keys)
         s.spare_v.copy_(values)
         s.spare_ints.copy_(rows.next_id.view(1, n, 1).expand(KEY - IDS + 1, n, kv.shape[2]))  # id, position, key
-        for r in rows.pinned:
+        for r in rows.always_kept:
             s.spare_key[r].fill_(torch.iinfo(meta.dtype).max)
         s.spare_acc.fill_(0)
         return attend_and_replace(s, kv, meta, query, arena.members[0].config, rows)

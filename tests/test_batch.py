@@ -139,6 +139,25 @@ def test_conversations_decoded_together_reply_as_each_alone(policy, budget, kv_h
         assert s.cache.get_seq_length() > budget >= s.cache.slots_used()
 
 
+def test_sinks_written_inside_the_batch_are_kept_as_sinks():
+    """A short chat with many sinks: its first reply's tokens are still sinks when it joins."""
+    model, tokenizer = tiny()
+    make = session_maker(model, tokenizer, [dict(policy="sink", budget=64, n_sink=40, n_recent=8)])
+    scripts = [["x", "and then?"], ["y", "why?"]]
+    alone, together, batcher, sessions = alone_and_together(make, scripts)
+    assert together == alone and batcher.rows_stepped > batcher.steps
+    assert len(render_ids(sessions[0], "x")) < 40  # so some sinks were generated, in the batch
+    for s in sessions:
+        assert set(range(40)) <= set(s.cache.token_ids(0)[0, 0].tolist())
+
+
+def render_ids(session, text):
+    from h2o_chat.conversation import Message
+    from h2o_chat.render import render, token_ids
+
+    return token_ids(render(session.tokenizer, None, [Message("user", text)], add_generation_prompt=True))
+
+
 def test_conversations_with_different_cache_settings_batch_apart():
     model, tokenizer = tiny()
     caches = [dict(policy="h2o", budget=24, n_sink=2, n_recent=6), dict(policy="window", budget=40, n_recent=8)]
