@@ -8,6 +8,8 @@
     decode   time per generated token and KV bytes after N tokens seen, for DynamicCache and
              H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict)
     prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
+    prefill-speed  prefill tokens/s (interleaved repeats, medians), aten ops per token and bytes
+             allocated, h2o against DynamicCache, per dtype and prompt length
     panel    what the live panel costs: render time of a long conversation's panel, and decode
              tokens/s with the panel refreshed as the app does while streaming vs not at all
 
@@ -513,6 +515,58 @@ def cmd_prefill(args):
     write_results(args.out, "prefill", rows, ["method", "tokens", "peak_MiB", "kv_MiB", "seconds"], meta)
 
 
+def prefill_counts(model, prompt, cache):
+    """One prefill of `prompt` [1, n] under the profiler: (aten ops per prompt token, MiB
+    allocated in all, summed over every allocation, freed or not: what the prefill materialised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(prompt, cache=cache, logits_to_keep=1)
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    allocated = sum(max(0, e.self_cpu_memory_usage) for e in events)
+    return ops / prompt.shape[1], allocated / 2**20
+
+
+def cmd_prefill_speed(args):
+    """Prefill tokens/s of DynamicCache and H2OCache (h2o at --budget, prefilled --chunk tokens at a
+    time inside each layer) per dtype and prompt length: timed runs interleaved between the two,
+    medians reported, plus one profiled run each for the counts (ops, bytes allocated)."""
+    rows = []
+    for dtype in args.dtypes:
+        model, tokenizer = load_model(args.model, dtype=dtype)
+        text = text_tokens(tokenizer, args.text, max(args.tokens))
+        for n in args.tokens:
+            prompt = text[:, :n]
+            make = {"dynamic": lambda: DynamicCache(),
+                    "h2o": lambda: make_cache(model, "h2o", budget=args.budget, prefill_chunk=args.chunk)}
+            times = {m: [] for m in make}
+            for m in make:  # warm-up, untimed
+                with torch.no_grad():
+                    model(prompt, cache=make[m](), logits_to_keep=1)
+            for _ in range(args.repeats):
+                for m in make:
+                    cache = make[m]()
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        model(prompt, cache=cache, logits_to_keep=1)
+                    times[m].append(time.perf_counter() - start)
+            for m in make:
+                ops, mib = prefill_counts(model, prompt, make[m]()) if args.counts else ("", "")
+                t = statistics.median(times[m])
+                rows.append({"dtype": str(model.dtype).removeprefix("torch."), "tokens": n, "method": m,
+                             "tokens_per_s": round(n / t, 1), "vs_dynamic": "",
+                             "ops_per_token": ops if ops == "" else round(ops, 1),
+                             "alloc_MiB": mib if mib == "" else round(mib, 1)})
+            rows[-1]["vs_dynamic"] = f"{rows[-1]['tokens_per_s'] / rows[-2]['tokens_per_s']:.2f}x"
+            print(rows[-2], rows[-1], sep="\n", flush=True)
+    meta = {"command": args.command_line, "budget": args.budget, "chunk": args.chunk, "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "note": "median of interleaved repeats; ops and MiB allocated from one profiled run each"}
+    write_results(args.out, "prefill-speed", rows, ["dtype", "tokens", "method", "tokens_per_s", "vs_dynamic",
+                                                    "ops_per_token", "alloc_MiB"], meta)
+
+
 def cmd_panel(args):
     from . import panel
     from .ui import PANEL_EVERY_S
@@ -677,6 +731,15 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=512)
     add_quick(p, tokens=1024)
     p.set_defaults(run=cmd_prefill)
+    p = sub.add_parser("prefill-speed", help="prefill tokens/s, ops and bytes allocated: h2o vs DynamicCache")
+    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048])
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=256, help="h2o's prefill_chunk")
+    p.add_argument("--repeats", type=int, default=5, help="timed prefills per method (median reported)")
+    p.add_argument("--no-counts", dest="counts", action="store_false", help="skip the profiled run")
+    add_quick(p, tokens=[512], repeats=1)
+    p.set_defaults(run=cmd_prefill_speed)
     p = sub.add_parser("panel", help="the live panel's cost")
     p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
     p.add_argument("--new-tokens", type=int, default=96)

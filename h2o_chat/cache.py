@@ -477,19 +477,21 @@ class H2OCache(Cache):
     # --- scoring and eviction ----------------------------------------------------------------
     def _add_scores(self, scores, queries, probs):
         """probs [batch, kv_heads, group, n, slots]: the newest n slots are this chunk's tokens;
-        scores and queries [batch, kv_heads, slots], added to in place."""
-        mass = probs.sum(dim=2)  # [b, kvh, n, slots]: the GQA group's query heads add up
-        n, slots = mass.shape[-2], mass.shape[-1]
+        scores and queries [batch, kv_heads, slots], added to in place. The column mass is one
+        reduction over the group's query heads and the chunk's rows together (no [b, kvh, n,
+        slots] partial sum is made)."""
+        b, h, group, n, slots = probs.shape
         if self.config.score == "decay":
             # each query row first decays what came before it: chunking does not change the result
             d = self.config.decay
-            weights = d ** torch.arange(n - 1, -1, -1, device=mass.device, dtype=torch.float32)
-            scores.mul_(d**n).add_((mass * weights[:, None]).sum(dim=2))
+            weights = d ** torch.arange(n - 1, -1, -1, device=probs.device, dtype=torch.float32)
+            rows = weights.to(probs.dtype).repeat(group)  # [group * n]: row (g, i) weighs d^(n-1-i)
+            scores.mul_(d**n).add_(torch.matmul(rows, probs.view(b, h, group * n, slots)))
             return
-        scores.add_(mass.sum(dim=2))
+        scores.add_(probs.sum(dim=(2, 3)))
         if self.config.score == "mean":
-            seen_by = torch.full((slots,), n, dtype=torch.float32, device=mass.device)
-            seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=mass.device)
+            seen_by = torch.full((slots,), n, dtype=torch.float32, device=probs.device)
+            seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=probs.device)
             queries.add_(seen_by)
 
     def _score(self, scores, queries):
