@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from h2o_chat import H2OCache, scoring
+from h2o_chat.cache import KEY
 from h2o_chat.scoring import grouped_attention
 from tests import reference
 from tests.conftest import make_tiny_llama
@@ -210,6 +211,26 @@ def test_fused_grouped_attention_is_the_explicit_one(dtype, b, kv_heads, group, 
         tol = 1e-12 if probs.dtype == torch.float64 else 1e-5
         torch.testing.assert_close(scores, reference.explicit_column_mass(probs_ref, score).to(probs.dtype),
                                    rtol=tol, atol=tol)
+
+
+def test_a_token_written_in_place_gets_the_meta_a_chunk_gives_it():
+    # the growing path writes one token's id, position and protection key straight into its slot;
+    # a prefill chunk builds them with new_meta: the same, for sinks, pins and plain tokens alike
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (2, 14), generator=torch.Generator().manual_seed(3))
+    one, chunk = (H2OCache(model, policy="h2o", budget=32, n_sink=2, n_recent=8) for _ in range(2))
+    for cache in (one, chunk):
+        cache.protect(5, 8)
+    with torch.no_grad():
+        model(ids, cache=chunk)
+        for i in range(ids.shape[1]):
+            model(ids[:, i : i + 1], cache=one)
+    for a, b in zip(one.layers, chunk.layers):
+        assert a.n_slots == b.n_slots == 14
+        assert torch.equal(a.meta[: KEY + 1, :, :, :14], b.meta[: KEY + 1, :, :, :14])
+        assert (a.meta[KEY, :, :, :14] == torch.iinfo(a.meta.dtype).max).sum() == 2 * 2 * (2 + 3)  # sinks, pins
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.scores, b.scores)
 
 
 def test_rolling_generates_past_the_trained_context():
