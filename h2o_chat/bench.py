@@ -351,9 +351,15 @@ def llamacpp_turn(server, tokenizer, history, new_tokens, n_ctx):
     """One turn of the llama.cpp arm on its own conversation `history` (messages, its own replies),
     rendered by our chat template into the token ids it is sent; the reply is appended. A prompt
     the server refuses (past its context) is resent as a typical client would: the oldest turns
-    dropped until it fits. Returns the row's figures, from the server's `timings` and `usage`."""
+    dropped until it fits, and so is one that would leave less than `new_tokens` of the context for
+    the reply (the server would stop the reply when its context is full). Returns the row's
+    figures, from the server's `timings` and `usage`."""
     ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
     note = ""
+    if len(ids) + new_tokens > n_ctx:
+        full = len(ids)
+        ids = history_ids(tokenizer, history, n_ctx - new_tokens + 1)[0].tolist()
+        note = f"{full} + {new_tokens} tokens past the context of {n_ctx}; oldest turns dropped ({len(ids)} sent)"
     try:
         response = server.complete(ids, new_tokens)
     except llamacpp_worker.LlamaCppError as e:
@@ -382,7 +388,7 @@ def dialogue_vs_llamacpp(args, model, tokenizer, turns):
     python = llamacpp_worker.find_python(args.llamacpp or None)
     if python is None:
         raise SystemExit(f"--llamacpp: no llama.cpp venv found; make one with: {llamacpp_worker.MAKE_VENV}")
-    n_ctx = model.config.max_position_embeddings
+    n_ctx = args.llamacpp_ctx or model.config.max_position_embeddings
     runs = {"h2o": [], "llama.cpp": []}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with llamacpp_worker.start_server(python, embedded_gguf_path(), threads=torch.get_num_threads(),
@@ -413,7 +419,7 @@ def dialogue_vs_llamacpp(args, model, tokenizer, turns):
 
 
 def cmd_dialogue(args):
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.llamacpp is not None:
         turns = user_turns(args.turns_file, args.turns, cycle=True)
         rows, settings = dialogue_vs_llamacpp(args, model, tokenizer, turns)
@@ -697,6 +703,10 @@ def main(argv=None):
                    help="h2o against llama.cpp's server (xllamacpp, in its own venv: PYTHON, $"
                         f"{llamacpp_worker.ENV_VAR} or {llamacpp_worker.DEFAULT_PYTHON}), interleaved turn by turn")
     p.add_argument("--repeats", type=int, default=1, help="with --llamacpp: chats run, medians reported")
+    p.add_argument("--llamacpp-ctx", type=int, default=None,
+                   help="with --llamacpp: the server's context (default: the model's trained positions, 8,192 for "
+                        "the embedded model); a small one reaches the limit in a few turns")
+    p.add_argument("--dtype", default="auto", help="h2o's model dtype: auto (bf16 on CPUs with native bf16), float32")
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=cmd_dialogue)
     p = sub.add_parser("decode", help="decode time per token vs tokens seen")
