@@ -74,7 +74,8 @@ class H2OLayer(CacheLayerMixin):
     """One layer's slots. Buffers have room for `capacity` slots; the first `n_slots` are live.
 
     `keys`, `values`, `token_ids`, `positions`, `scores`, `queries` are views of the live slots,
-    made again only when the slot count or the buffers change (never in a steady decode step)."""
+    read-only properties made at their first use after the slot count or the buffers change
+    (so neither a steady decode step nor a growing one makes them)."""
 
     is_compileable = False
     is_sliding = False
