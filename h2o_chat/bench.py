@@ -8,6 +8,8 @@
     decode   time per generated token and KV bytes after N tokens seen, for DynamicCache and
              H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict)
     prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
+    prefill-speed  prefill tokens/s (interleaved repeats, medians), aten ops per token and bytes
+             allocated, h2o against DynamicCache, per dtype and prompt length
     panel    what the live panel costs: render time of a long conversation's panel, and decode
              tokens/s with the panel refreshed as the app does while streaming vs not at all
     concurrent  1, 2, 4, 8 chats at once through the API (decoded in one batch) against the
@@ -351,9 +353,15 @@ def llamacpp_turn(server, tokenizer, history, new_tokens, n_ctx):
     """One turn of the llama.cpp arm on its own conversation `history` (messages, its own replies),
     rendered by our chat template into the token ids it is sent; the reply is appended. A prompt
     the server refuses (past its context) is resent as a typical client would: the oldest turns
-    dropped until it fits. Returns the row's figures, from the server's `timings` and `usage`."""
+    dropped until it fits, and so is one that would leave less than `new_tokens` of the context for
+    the reply (the server would stop the reply when its context is full). Returns the row's
+    figures, from the server's `timings` and `usage`."""
     ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=True)["input_ids"]
     note = ""
+    if len(ids) + new_tokens > n_ctx:
+        full = len(ids)
+        ids = history_ids(tokenizer, history, n_ctx - new_tokens + 1)[0].tolist()
+        note = f"{full} + {new_tokens} tokens past the context of {n_ctx}; oldest turns dropped ({len(ids)} sent)"
     try:
         response = server.complete(ids, new_tokens)
     except llamacpp_worker.LlamaCppError as e:
@@ -382,7 +390,7 @@ def dialogue_vs_llamacpp(args, model, tokenizer, turns):
     python = llamacpp_worker.find_python(args.llamacpp or None)
     if python is None:
         raise SystemExit(f"--llamacpp: no llama.cpp venv found; make one with: {llamacpp_worker.MAKE_VENV}")
-    n_ctx = model.config.max_position_embeddings
+    n_ctx = args.llamacpp_ctx or model.config.max_position_embeddings
     runs = {"h2o": [], "llama.cpp": []}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with llamacpp_worker.start_server(python, embedded_gguf_path(), threads=torch.get_num_threads(),
@@ -413,7 +421,7 @@ def dialogue_vs_llamacpp(args, model, tokenizer, turns):
 
 
 def cmd_dialogue(args):
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.llamacpp is not None:
         turns = user_turns(args.turns_file, args.turns, cycle=True)
         rows, settings = dialogue_vs_llamacpp(args, model, tokenizer, turns)
@@ -513,6 +521,58 @@ def cmd_prefill(args):
     meta = {"command": args.command_line, "budget": args.budget,
             "note": "peak RSS above the RSS before the prefill, each method in a fresh process"}
     write_results(args.out, "prefill", rows, ["method", "tokens", "peak_MiB", "kv_MiB", "seconds"], meta)
+
+
+def prefill_counts(model, prompt, cache):
+    """One prefill of `prompt` [1, n] under the profiler: (aten ops per prompt token, MiB
+    allocated in all, summed over every allocation, freed or not: what the prefill materialised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(prompt, cache=cache, logits_to_keep=1)
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    allocated = sum(max(0, e.self_cpu_memory_usage) for e in events)
+    return ops / prompt.shape[1], allocated / 2**20
+
+
+def cmd_prefill_speed(args):
+    """Prefill tokens/s of DynamicCache and H2OCache (h2o at --budget, prefilled --chunk tokens at a
+    time inside each layer) per dtype and prompt length: timed runs interleaved between the two,
+    medians reported, plus one profiled run each for the counts (ops, bytes allocated)."""
+    rows = []
+    for dtype in args.dtypes:
+        model, tokenizer = load_model(args.model, dtype=dtype)
+        text = text_tokens(tokenizer, args.text, max(args.tokens))
+        for n in args.tokens:
+            prompt = text[:, :n]
+            make = {"dynamic": lambda: DynamicCache(),
+                    "h2o": lambda: make_cache(model, "h2o", budget=args.budget, prefill_chunk=args.chunk)}
+            times = {m: [] for m in make}
+            for m in make:  # warm-up, untimed
+                with torch.no_grad():
+                    model(prompt, cache=make[m](), logits_to_keep=1)
+            for _ in range(args.repeats):
+                for m in make:
+                    cache = make[m]()
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        model(prompt, cache=cache, logits_to_keep=1)
+                    times[m].append(time.perf_counter() - start)
+            for m in make:
+                ops, mib = prefill_counts(model, prompt, make[m]()) if args.counts else ("", "")
+                t = statistics.median(times[m])
+                rows.append({"dtype": str(model.dtype).removeprefix("torch."), "tokens": n, "method": m,
+                             "tokens_per_s": round(n / t, 1), "vs_dynamic": "",
+                             "ops_per_token": ops if ops == "" else round(ops, 1),
+                             "alloc_MiB": mib if mib == "" else round(mib, 1)})
+            rows[-1]["vs_dynamic"] = f"{rows[-1]['tokens_per_s'] / rows[-2]['tokens_per_s']:.2f}x"
+            print(rows[-2], rows[-1], sep="\n", flush=True)
+    meta = {"command": args.command_line, "budget": args.budget, "chunk": args.chunk, "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "note": "median of interleaved repeats; ops and MiB allocated from one profiled run each"}
+    write_results(args.out, "prefill-speed", rows, ["dtype", "tokens", "method", "tokens_per_s", "vs_dynamic",
+                                                    "ops_per_token", "alloc_MiB"], meta)
 
 
 def cmd_panel(args):
@@ -645,6 +705,10 @@ def main(argv=None):
                    help="h2o against llama.cpp's server (xllamacpp, in its own venv: PYTHON, $"
                         f"{llamacpp_worker.ENV_VAR} or {llamacpp_worker.DEFAULT_PYTHON}), interleaved turn by turn")
     p.add_argument("--repeats", type=int, default=1, help="with --llamacpp: chats run, medians reported")
+    p.add_argument("--llamacpp-ctx", type=int, default=None,
+                   help="with --llamacpp: the server's context (default: the model's trained positions, 8,192 for "
+                        "the embedded model); a small one reaches the limit in a few turns")
+    p.add_argument("--dtype", default="auto", help="h2o's model dtype: auto (bf16 on CPUs with native bf16), float32")
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=cmd_dialogue)
     p = sub.add_parser("decode", help="decode time per token vs tokens seen")
@@ -679,6 +743,15 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=512)
     add_quick(p, tokens=1024)
     p.set_defaults(run=cmd_prefill)
+    p = sub.add_parser("prefill-speed", help="prefill tokens/s, ops and bytes allocated: h2o vs DynamicCache")
+    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048])
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=256, help="h2o's prefill_chunk")
+    p.add_argument("--repeats", type=int, default=5, help="timed prefills per method (median reported)")
+    p.add_argument("--no-counts", dest="counts", action="store_false", help="skip the profiled run")
+    add_quick(p, tokens=[512], repeats=1)
+    p.set_defaults(run=cmd_prefill_speed)
     p = sub.add_parser("panel", help="the live panel's cost")
     p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
     p.add_argument("--new-tokens", type=int, default=96)

@@ -74,7 +74,8 @@ class H2OLayer(CacheLayerMixin):
     """One layer's slots. Buffers have room for `capacity` slots; the first `n_slots` are live.
 
     `keys`, `values`, `token_ids`, `positions`, `scores`, `queries` are views of the live slots,
-    made again only when the slot count or the buffers change (never in a steady decode step)."""
+    read-only properties made at their first use after the slot count or the buffers change
+    (so neither a steady decode step nor a growing one makes them)."""
 
     is_compileable = False
     is_sliding = False
@@ -101,13 +102,28 @@ class H2OLayer(CacheLayerMixin):
         return self.meta.view(score_dtype(self.kv.dtype))
 
     def _views(self):
-        if self.kv is None:
-            self.keys = self.values = self.token_ids = self.positions = self.scores = self.queries = None
-            return
-        n, meta_f = self.n_slots, self.meta_f
-        self.keys, self.values = self.kv[0, :, :, :n], self.kv[1, :, :, :n]
-        self.token_ids, self.positions = self.meta[IDS, :, :, :n], self.meta[POS, :, :, :n]
-        self.scores, self.queries = meta_f[SCORE, :, :, :n], meta_f[QUERIES, :, :, :n]
+        """The slot count or the buffers changed: the live views are made again at their next use.
+        Lazily, because the growing path (a layer below its budget, or an unbounded one) changes
+        the count every step while nothing in the step reads them (a dozen views a layer saved)."""
+        self._live = None
+
+    def _live_views(self):
+        """(keys, values, token_ids, positions, scores, queries): views of the first n_slots."""
+        if self._live is None:
+            if self.kv is None:
+                self._live = (None,) * 6
+            else:
+                n, meta_f = self.n_slots, self.meta_f
+                self._live = (self.kv[0, :, :, :n], self.kv[1, :, :, :n], self.meta[IDS, :, :, :n],
+                              self.meta[POS, :, :, :n], meta_f[SCORE, :, :, :n], meta_f[QUERIES, :, :, :n])
+        return self._live
+
+    keys = property(lambda self: self._live_views()[0], doc="[batch, kv_heads, slots, head_dim]")
+    values = property(lambda self: self._live_views()[1], doc="[batch, kv_heads, slots, head_dim]")
+    token_ids = property(lambda self: self._live_views()[2], doc="[batch, kv_heads, slots] absolute token index")
+    positions = property(lambda self: self._live_views()[3], doc="[batch, kv_heads, slots] RoPE position")
+    scores = property(lambda self: self._live_views()[4], doc="[batch, kv_heads, slots] attention mass")
+    queries = property(lambda self: self._live_views()[5], doc="[batch, kv_heads, slots] queries that saw it")
 
     def lazy_initialization(self, key_states, value_states):
         self.is_initialized = True
@@ -152,6 +168,18 @@ class H2OLayer(CacheLayerMixin):
         meta[KEY] = protection_key(ids, cache.limits.n_sink, cache.pins)
         return meta
 
+    def write_token(self, cache, keys, values):
+        """One new token ([batch, kv_heads, 1, head_dim]) into the free slot n_slots, its meta
+        filled in place (what `new_meta` gives for n = 1, without its temporaries)."""
+        slot = self.n_slots
+        kv, meta = self.kv[:, :, :, slot], self.meta[..., slot]  # [2, b, h, d], [N_META, b, h]
+        kv[0].copy_(keys[:, :, 0])
+        kv[1].copy_(values[:, :, 0])
+        meta[IDS : KEY + 1].fill_(self.n_seen)  # its id, its position, its protection key
+        if self.n_seen < cache.limits.n_sink or cache.is_pinned(self.n_seen):
+            meta[KEY].fill_(torch.iinfo(meta.dtype).max)
+        meta[SCORE:].fill_(0)
+
     def refresh_protection(self, cache):
         """Pins changed: recompute the live slots' protection keys."""
         if self.kv is not None and cache.limits is not None:
@@ -169,14 +197,16 @@ class H2OLayer(CacheLayerMixin):
             # bounded layers get their final size (budget + 1 spare slot) once; unbounded ones
             # grow 256 slots at a time instead of copying everything every step
             self.allocate(budget + 1 if budget is not None else -(-total // GROWTH) * GROWTH, keys)
-        new_meta = self.new_meta(b, h, n, cache)
-        if total <= self.capacity:
+        if n == 1 and total <= self.capacity:
+            self.write_token(cache, keys, values)
+            kv, meta = self.kv[:, :, :, :total], self.meta[..., :total]
+        elif total <= self.capacity:
             s = slice(self.n_slots, total)
-            self.kv[0, :, :, s], self.kv[1, :, :, s], self.meta[..., s] = keys, values, new_meta
+            self.kv[0, :, :, s], self.kv[1, :, :, s], self.meta[..., s] = keys, values, self.new_meta(b, h, n, cache)
             kv, meta = self.kv[:, :, :, :total], self.meta[..., :total]
         else:  # a chunk larger than the spare room: attend over temporaries, keep into the buffers
             kv = torch.cat((self.kv[:, :, :, : self.n_slots], torch.stack((keys, values))), dim=3)
-            meta = torch.cat((self.meta[..., : self.n_slots], new_meta), dim=3)
+            meta = torch.cat((self.meta[..., : self.n_slots], self.new_meta(b, h, n, cache)), dim=3)
         self.n_seen += n
         meta_f = meta.view(score_dtype(keys.dtype))
         out, probs = scoring.grouped_attention(query, kv[0], kv[1], scaling)
@@ -505,19 +535,21 @@ class H2OCache(Cache):
     # --- scoring and eviction ----------------------------------------------------------------
     def _add_scores(self, scores, queries, probs):
         """probs [batch, kv_heads, group, n, slots]: the newest n slots are this chunk's tokens;
-        scores and queries [batch, kv_heads, slots], added to in place."""
-        mass = probs.sum(dim=2)  # [b, kvh, n, slots]: the GQA group's query heads add up
-        n, slots = mass.shape[-2], mass.shape[-1]
+        scores and queries [batch, kv_heads, slots], added to in place. The column mass is one
+        reduction over the group's query heads and the chunk's rows together (no [b, kvh, n,
+        slots] partial sum is made)."""
+        b, h, group, n, slots = probs.shape
         if self.config.score == "decay":
             # each query row first decays what came before it: chunking does not change the result
             d = self.config.decay
-            weights = d ** torch.arange(n - 1, -1, -1, device=mass.device, dtype=torch.float32)
-            scores.mul_(d**n).add_((mass * weights[:, None]).sum(dim=2))
+            weights = d ** torch.arange(n - 1, -1, -1, device=probs.device, dtype=torch.float32)
+            rows = weights.to(probs.dtype).repeat(group)  # [group * n]: row (g, i) weighs d^(n-1-i)
+            scores.mul_(d**n).add_(torch.matmul(rows, probs.view(b, h, group * n, slots)))
             return
-        scores.add_(mass.sum(dim=2))
+        scores.add_(probs.sum(dim=(2, 3)))
         if self.config.score == "mean":
-            seen_by = torch.full((slots,), n, dtype=torch.float32, device=mass.device)
-            seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=mass.device)
+            seen_by = torch.full((slots,), n, dtype=torch.float32, device=probs.device)
+            seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=probs.device)
             queries.add_(seen_by)
 
     def _score(self, scores, queries):

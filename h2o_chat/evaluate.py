@@ -97,7 +97,7 @@ def ppl_configs(args, budgets):
 
 
 def cmd_ppl(args):
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     # budgets: fractions of the span (0.2 = 20% of --tokens) or slot counts
     budgets = [max(1, round(b * args.tokens)) if isinstance(b, float) else b for b in args.budgets]
     tokens = text_tokens(tokenizer, args.text, args.tokens)
@@ -117,7 +117,7 @@ def cmd_ppl(args):
     for r in rows:
         r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%" if full else ""
     meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
-            "chunk": args.chunk, "threads": torch.get_num_threads(),
+            "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(),
             "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
     write_results(args.out, "ppl", rows, ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "ppl",
                                           "vs_full", "seconds"], meta)
@@ -369,6 +369,7 @@ def main(argv=None):
     p.add_argument("--long-budget", type=int, default=512)
     p.add_argument("--long-methods", type=lambda s: s.split(","), default=LONG_METHODS)
     p.add_argument("--segment", type=int, default=2048, help="the long part's ppl is reported per this many tokens")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CPUs with native bf16, else fp32), float32, bfloat16")
     add_quick(p, tokens=384, long_tokens=768, long_budget=64, segment=192)  # about 2 minutes on the embedded model
     p.set_defaults(run=cmd_ppl)
     p = sub.add_parser("summarize", help="XSUM-style summaries (the H2O authors' jsonl format), ROUGE per budget")

@@ -63,8 +63,9 @@ def load_model(spec=None, *, dtype="auto", device="auto", quantization=None, dev
 
     spec: None / "default" / "smollm2" for the embedded model; a transformers folder (with
         config.json); a path to a .gguf file; or a hub id "org/name" (local HF cache first).
-    dtype: "auto" (bf16 on CUDA if supported, else fp16; fp32 on CPU), a name such as "bf16",
-        or a torch.dtype.
+    dtype: "auto" (bf16 on CUDA if supported, else fp16; on CPU bf16 where it has native bf16
+        matmuls, avx512_bf16 or AMX, else fp32: see `cpu_auto_dtype`), a name such as "bf16",
+        or a torch.dtype. Pass "float32" where results must match fp32 figures.
     device: "auto" (CUDA when available, else CPU), or anything torch.device accepts.
     quantization: None, "4bit" or "8bit" (bitsandbytes, CUDA only).
     device_map: None, or "auto" to let accelerate spread the model over the GPUs.
@@ -150,16 +151,14 @@ def cpu_auto_dtype(flags=None) -> torch.dtype:
 
 
 def resolve_dtype(dtype="auto", device="cpu") -> torch.dtype:
-    """Map "auto" to bf16 on a GPU that supports it, else fp16 on CUDA, and fp32 elsewhere.
-
-    fp32 on CPU for now: `cpu_auto_dtype` is the decision for CPUs with native bf16, not yet the
-    default because tests that compare against fp32 figures load models with "auto"."""
+    """Map "auto" to bf16 on a GPU that supports it, else fp16 on CUDA; on a CPU,
+    `cpu_auto_dtype`'s choice (bf16 with native bf16 matmuls, fp32 without); fp32 elsewhere."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return cpu_auto_dtype() if torch.device(device).type == "cpu" else torch.float32
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")

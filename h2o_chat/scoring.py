@@ -8,12 +8,25 @@ chunk. With any other cache (a model switched to "h2o" and then used with `Dynam
 plain sdpa, so switching a model's attention never changes what it computes.
 """
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "h2o"
+
+
+@functools.lru_cache(maxsize=16)
+def causal_bias(group, n, slots, dtype, device):
+    """[group * n, slots]: 0 where query row (g, i) may look, -inf where it may not. Query i of
+    the newest n tokens sees every slot up to its own, at slots - n + i (bottom-right causal).
+    Made once per chunk shape and reused (a prefill repeats the same few shapes every layer)."""
+    first_hidden = torch.arange(slots - n + 1, slots + 1, device=device)  # per query row
+    hidden = torch.arange(slots, device=device)[None, :] >= first_hidden[:, None]  # [n, slots]
+    bias = torch.zeros(n, slots, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return bias.repeat(group, 1)
 
 
 def grouped_attention(query, keys, values, scaling):
@@ -26,22 +39,27 @@ def grouped_attention(query, keys, values, scaling):
             probs  [batch, kv_heads, group, n, slots] float32 (float64 for a float64 model) (group = q_heads // kv_heads)
 
     GQA without repeat_kv: the query heads of one KV group are stacked as extra query rows,
-    so the probabilities come out already grouped per KV head.
+    so the probabilities come out already grouped per KV head. One [b * kvh, group * n, slots]
+    buffer in the softmax dtype is made and everything happens in it: the scale and the causal
+    mask go in with the logits (one baddbmm, or for a low-precision model one add that widens
+    its logits), the softmax runs in place. tests/reference.py keeps the explicit version
+    (scale, masked_fill and softmax as separate passes) as the oracle.
     """
     b, q_heads, n, d = query.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
-    q = query.reshape(b, kv_heads, group * n, d)
-    # softmax in at least float32, like transformers' eager attention
-    logits = torch.matmul(q, keys.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scaling
-    if n > 1:
-        # bottom-right causal: query i sees every slot up to its own, at slots - n + i
-        first_hidden = torch.arange(slots - n + 1, slots + 1, device=query.device)  # per query row
-        hidden = torch.arange(slots, device=query.device)[None, :] >= first_hidden[:, None]  # [n, slots]
-        logits = logits.view(b, kv_heads, group, n, slots).masked_fill(hidden, float("-inf"))
-        logits = logits.view(b, kv_heads, group * n, slots)
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs.to(values.dtype), values)  # [b, kvh, group*n, d]
+    acc = torch.promote_types(query.dtype, torch.float32)  # softmax in at least float32, like eager attention
+    q = query.reshape(b * kv_heads, group * n, d)
+    keys_t = keys.reshape(b * kv_heads, slots, d).transpose(1, 2)
+    if n == 1:  # one query sees every slot: no mask (and no bias per slot count, which grows every step)
+        logits = torch.bmm(q, keys_t)
+        logits = (logits if acc == query.dtype else logits.to(acc)).mul_(scaling)
+    elif acc == query.dtype:
+        logits = torch.baddbmm(causal_bias(group, n, slots, acc, query.device), q, keys_t, alpha=scaling)
+    else:  # bf16/fp16 logits, scaled and masked while widened: the same rounding as .float() * scaling
+        logits = torch.add(causal_bias(group, n, slots, acc, query.device), torch.bmm(q, keys_t), alpha=scaling)
+    probs = torch.softmax(logits, dim=-1, out=logits)
+    out = torch.bmm(probs.to(values.dtype), values.reshape(b * kv_heads, slots, d))  # [b*kvh, group*n, d]
     out = out.view(b, q_heads, n, d).transpose(1, 2)
     return out, probs.view(b, kv_heads, group, n, slots)
 

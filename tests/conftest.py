@@ -63,11 +63,12 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_conversion():
-    """Loads the embedded default once per session, converting it if this machine never has."""
+    """Loads the embedded default once per session, converting it if this machine never has.
+    In fp32, not "auto" (bf16 on CPUs with native bf16): tests compare its tokens exactly."""
     folder = default_model_folder()
     converted = not (folder / "config.json").is_file()
     start = time.perf_counter()
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(dtype="float32")
     return {"model": model, "tokenizer": tokenizer, "folder": folder, "converted": converted,
             "seconds": time.perf_counter() - start}
 

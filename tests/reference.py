@@ -151,3 +151,34 @@ class ReferenceH2O:
     def scores(self, layer, batch, kv_head):
         mean = self.score == "mean"
         return {e.token_id: e.score / e.queries if mean else e.score for e in self.entries[layer][batch][kv_head]}
+
+
+def explicit_grouped_attention(query, keys, values, scaling):
+    """The oracle of `scoring.grouped_attention` (its version before the passes were fused): the
+    logits made, then widened, scaled, masked and softmaxed, each as a pass of its own.
+    query [batch, q_heads, n, head_dim], keys/values [batch, kv_heads, slots, head_dim] ->
+    output [batch, n, q_heads, head_dim], probs [batch, kv_heads, group, n, slots]."""
+    b, q_heads, n, d = query.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    q = query.reshape(b, kv_heads, group * n, d)
+    logits = torch.matmul(q, keys.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scaling
+    if n > 1:
+        first_hidden = torch.arange(slots - n + 1, slots + 1)  # per query row
+        hidden = torch.arange(slots)[None, :] >= first_hidden[:, None]  # [n, slots]
+        logits = logits.view(b, kv_heads, group, n, slots).masked_fill(hidden, float("-inf"))
+        logits = logits.view(b, kv_heads, group * n, slots)
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values)  # [b, kvh, group*n, d]
+    return out.view(b, q_heads, n, d).transpose(1, 2), probs.view(b, kv_heads, group, n, slots)
+
+
+def explicit_column_mass(probs, score, decay=0.9):
+    """What a chunk adds to each slot's score, summed the explicit way: [b, kvh, slots]
+    (for "decay", before the old scores are decayed by decay ** n)."""
+    mass = probs.sum(dim=2)  # [b, kvh, n, slots]: the group's query heads add up
+    if score == "decay":
+        n = mass.shape[-2]
+        weights = decay ** torch.arange(n - 1, -1, -1, dtype=torch.float32)
+        return (mass * weights[:, None]).sum(dim=2)
+    return mass.sum(dim=2)

@@ -128,7 +128,7 @@ def test_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatc
                                   ["summarize", "--quick", "--file", "{missing}"]])
 def test_evaluate_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatch, argv):
     missing = str(tmp_path / "nowhere.txt")
-    monkeypatch.setattr(evaluate, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(evaluate, "load_model", lambda spec, **settings: tiny_chat)
     with pytest.raises(SystemExit, match="nowhere.txt: no such file"):
         evaluate.main(["--out", str(tmp_path), *[a.format(missing=missing) for a in argv]])
 

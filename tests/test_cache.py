@@ -1,13 +1,16 @@
 """H2OCache: what it keeps, proved against the slow reference and against DynamicCache."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from h2o_chat import H2OCache, scoring
+from h2o_chat.cache import KEY
 from h2o_chat.scoring import grouped_attention
+from tests import reference
 from tests.conftest import make_tiny_llama
 from tests.reference import ReferenceH2O
 
@@ -182,6 +185,52 @@ def test_grouped_scores_are_the_sum_over_the_query_heads_of_a_group():
     torch.testing.assert_close(out, (p @ v_rep).transpose(1, 2))
     per_kv_head = p.view(b, kv_heads, group, n, slots).sum(dim=(2, 3))
     torch.testing.assert_close(probs.sum(dim=(2, 3)).double(), per_kv_head)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,kv_heads,group,n,slots", [(1, 3, 3, 1, 17), (2, 3, 3, 16, 40), (1, 3, 3, 64, 200),
+                                                      (2, 1, 4, 5, 5), (1, 2, 1, 7, 30)])
+def test_fused_grouped_attention_is_the_explicit_one(dtype, b, kv_heads, group, n, slots):
+    # the fused passes (bias and scale in the logits' baddbmm/add, softmax in place) round alike:
+    # bit-identical to the explicit oracle in every dtype, a decode row (n = 1) and MQA included
+    gen = torch.Generator().manual_seed(n * slots)
+    d = 16
+    query = torch.randn(b, n, kv_heads * group, d, generator=gen).to(dtype).transpose(1, 2)  # strided, as models hand it
+    kv = torch.randn(2, b, kv_heads, slots + 3, d, generator=gen).to(dtype)[:, :, :, :slots]  # live slots of a buffer
+    out, probs = grouped_attention(query, kv[0], kv[1], scaling=d**-0.5)
+    out_ref, probs_ref = reference.explicit_grouped_attention(query, kv[0], kv[1], scaling=d**-0.5)
+    assert probs.dtype == probs_ref.dtype == torch.promote_types(dtype, torch.float32)
+    assert torch.equal(probs, probs_ref) and torch.equal(out, out_ref)
+    # the column mass, summed in one reduction (decay: one weighted matmul) instead of two: float
+    # rounding order differs, so within a few ulps of the oracle's
+    cache = SimpleNamespace(config=SimpleNamespace(score="sum", decay=0.9))
+    for score in ("sum", "mean", "decay"):
+        cache.config.score = score
+        scores, queries = torch.zeros(2, b, kv_heads, slots, dtype=probs.dtype)
+        H2OCache._add_scores(cache, scores, queries, probs)
+        tol = 1e-12 if probs.dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(scores, reference.explicit_column_mass(probs_ref, score).to(probs.dtype),
+                                   rtol=tol, atol=tol)
+
+
+def test_a_token_written_in_place_gets_the_meta_a_chunk_gives_it():
+    # the growing path writes one token's id, position and protection key straight into its slot;
+    # a prefill chunk builds them with new_meta: the same, for sinks, pins and plain tokens alike
+    model = make_tiny_llama()
+    ids = torch.randint(0, 128, (2, 14), generator=torch.Generator().manual_seed(3))
+    one, chunk = (H2OCache(model, policy="h2o", budget=32, n_sink=2, n_recent=8) for _ in range(2))
+    for cache in (one, chunk):
+        cache.protect(5, 8)
+    with torch.no_grad():
+        model(ids, cache=chunk)
+        for i in range(ids.shape[1]):
+            model(ids[:, i : i + 1], cache=one)
+    for a, b in zip(one.layers, chunk.layers):
+        assert a.n_slots == b.n_slots == 14
+        assert torch.equal(a.meta[: KEY + 1, :, :, :14], b.meta[: KEY + 1, :, :, :14])
+        assert (a.meta[KEY, :, :, :14] == torch.iinfo(a.meta.dtype).max).sum() == 2 * 2 * (2 + 3)  # sinks, pins
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.scores, b.scores)
 
 
 def test_rolling_generates_past_the_trained_context():

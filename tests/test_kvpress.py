@@ -23,7 +23,7 @@ def no_kvpress(monkeypatch):
 
 
 def tokens_and_model(tiny_model_dir, play_text, n):
-    model, tokenizer = load_model(str(tiny_model_dir))
+    model, tokenizer = load_model(str(tiny_model_dir), dtype="float32")  # the NLLs are compared at fp32 tolerances
     return model, bench.text_tokens(tokenizer, play_text, n)
 
 
@@ -77,7 +77,7 @@ def test_bench_dialogue_quick(tiny_chat, tmp_path, monkeypatch, capsys, no_kvpre
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?", "Thanks"]}\n'
                      '{"turns": ["Why?", "Go on"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec: tiny_chat)
+    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     bench.main(["--out", str(tmp_path), "dialogue", "--quick", "--turns-file", str(turns), "--budget", "32"])
     assert "skipping the kvpress arm" in capsys.readouterr().out
     data = read_results(tmp_path, "dialogue")

@@ -49,7 +49,8 @@ def temp_folders(cache_dir):
 def test_tiny_folder_loads_and_generates(tiny_model_dir):
     model, tokenizer = load_model(tiny_model_dir)
     assert model.config.model_type == "llama"
-    assert model.dtype == torch.float32 and model.device.type == resolve_device("auto").type
+    assert model.device.type == resolve_device("auto").type
+    assert model.dtype == resolve_dtype("auto", model.device)  # the default is "auto", whatever it picks here
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert tokenizer.pad_token is None  # not invented
@@ -180,7 +181,7 @@ def test_unknown_options():
 
 
 def test_resolve_dtype_and_device():
-    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cpu") == cpu_auto_dtype()
     assert resolve_dtype("bfloat16", "cpu") == resolve_dtype("bf16") == torch.bfloat16
     assert resolve_dtype("fp16") == resolve_dtype("torch.float16") == torch.float16
     assert resolve_dtype(torch.float64) == torch.float64
@@ -286,7 +287,7 @@ def test_embedded_model_shape(embedded_model):
     assert (config.model_type, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.max_position_embeddings) == ("llama", 30, 9, 3, 8192)
     assert getattr(config, "quantization_config", None) is None  # a plain dense model
-    assert model.dtype == resolve_dtype("auto", resolve_device("auto"))
+    assert model.dtype == torch.float32  # the session's fixture loads fp32: tests compare exact tokens
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tokenizer.chat_template is not None
     assert tokenizer.eos_token == "<|im_end|>"
@@ -309,6 +310,7 @@ def test_second_load_comes_from_the_converted_cache(embedded_conversion):
     model, tokenizer = load_model()
     seconds = time.perf_counter() - start
     assert model.config.num_hidden_layers == 30 and tokenizer.chat_template is not None
+    assert model.dtype == resolve_dtype("auto", resolve_device("auto"))  # the default: "auto"
     assert seconds < 15
     if embedded_conversion["converted"]:
         assert seconds < embedded_conversion["seconds"] / 3
@@ -346,6 +348,17 @@ def test_4bit_on_cuda(tiny_model_dir):
 ])
 def test_auto_dtype_is_bf16_only_on_cpus_with_native_bf16(flags, dtype):
     assert cpu_auto_dtype(flags) == dtype
+
+
+@pytest.mark.parametrize("flags,dtype", [({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+                                         ({"avx2", "fma", "avx512f"}, torch.float32)])
+def test_auto_on_cpu_follows_the_cpu_flags(tiny_model_dir, monkeypatch, flags, dtype):
+    # "auto" on a CPU is cpu_auto_dtype's decision, read from the CPU's flags (injected here)
+    monkeypatch.setattr(model_mod, "cpu_flags", lambda: set(flags))
+    assert resolve_dtype("auto", "cpu") == resolve_dtype(None, torch.device("cpu")) == dtype
+    model, _ = load_model(tiny_model_dir, device="cpu")
+    assert model.dtype == dtype
+    assert load_model(tiny_model_dir, device="cpu", dtype="float32")[0].dtype == torch.float32  # asked for: kept
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
