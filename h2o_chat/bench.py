@@ -204,7 +204,7 @@ def cmd_ops(args):
         with torch.no_grad():
             token = model(text, cache=cache).logits[:, -1:].argmax(-1)
 
-            def step():
+            def step(cache=cache):
                 nonlocal token
                 token = model(token, cache=cache).logits[:, -1:].argmax(-1)
                 token.item()

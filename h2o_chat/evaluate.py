@@ -27,12 +27,21 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-
 from transformers import DynamicCache
 
 from . import kvpress_worker
-from .bench import (DATA_DIR, add_quick, apply_quick, base_parser, kv_bytes, make_cache, read_input, text_tokens,
-                    write_plot, write_results)
+from .bench import (
+    DATA_DIR,
+    add_quick,
+    apply_quick,
+    base_parser,
+    kv_bytes,
+    make_cache,
+    read_input,
+    text_tokens,
+    write_plot,
+    write_results,
+)
 from .cache import H2OCache
 from .model import load_model
 from .policy import CacheConfig
@@ -242,7 +251,7 @@ def cmd_summarize(args):
                                        "budget": budget, "text": text, "summary_gt": request["summary_gt"]}) + "\n")
     rows = []
     for (method, fraction), rs in results.items():
-        mean = lambda k: round(sum(r[k] for r in rs) / len(rs), 2) if rs and rs[0][k] is not None else ""  # noqa: E731
+        mean = lambda k, rs=rs: round(sum(r[k] for r in rs) / len(rs), 2) if rs and rs[0][k] is not None else ""  # noqa: E731
         rows.append({"method": method, "fraction": fraction, "budget_mean": mean("budget"), "rouge1": mean("rouge1"),
                      "rouge2": mean("rouge2"), "rougeL": mean("rougeL"), "rougeL_vs_full": mean("rougeL_vs_full"),
                      "new_tokens": mean("new_tokens"), "seconds": round(sum(r["seconds"] for r in rs), 1)})
