@@ -1,81 +1,14 @@
-"""h2o-chat: a local chat whose KV cache is managed by H2O. `python app.py --help` for the flags."""
+"""h2o-chat: a local chat whose KV cache is managed by H2O. `python app.py --help` for the flags.
 
-import argparse
+A checkout's entry point; the app itself is `h2o_chat.server` (installed as the `h2o-chat` command)."""
+
 import os
-import sys
-from pathlib import Path
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a private app phones nowhere
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported, as the server sets it
 
+from h2o_chat.server import main, parse_args  # noqa: E402  (tests call app.parse_args / app.main)
 
-def parse_args(argv=None):
-    from h2o_chat.conversation import CHOICES  # what the session layer offers
-
-    p = argparse.ArgumentParser(description="A local chat whose KV cache is managed by H2O (Heavy-Hitter Oracle).")
-    p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--share", action="store_true", help="also make a public Gradio share link (off by default)")
-    p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login for the UI and its API")
-    p.add_argument("--policy", default="h2o", choices=CHOICES["policy"], help="cache policy (default h2o)")
-    p.add_argument("--budget", type=int, default=512, help="KV slots per layer and head (default 512)")
-    p.add_argument("--n-recent", type=int, default=None, help="recent-window slots (default: half of what sinks leave)")
-    p.add_argument("--n-sink", type=int, default=4, help="first tokens always kept (default 4)")
-    p.add_argument("--score", default="sum", choices=CHOICES["score"], help="heavy-hitter score (default sum)")
-    p.add_argument("--positions", default="rolling", choices=CHOICES["positions"], help="RoPE positions (default rolling)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit weights (CUDA)")
-    p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit weights (CUDA)")
-    p.add_argument("--device-map", default=None, help="'auto' spreads a large model over several GPUs")
-    p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)")
-    p.add_argument("--data-dir", default=str(Path.home() / ".local" / "share" / "h2o-chat"),
-                   help="where sessions are autosaved")
-    p.add_argument("--concurrency", type=int, default=1,
-                   help="replies generated at once across all tabs and API clients, decoded together in one batch "
-                        "(default 1)")
-    p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on the /v1 API (default: $H2O_CHAT_API_KEY; with "
-                        "--auth and no key the API refuses every request)")
-    p.add_argument("--api-kv-mib", type=float, default=1024, help="KV memory of the API's idle conversations (default 1024)")
-    return p.parse_args(argv)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    from h2o_chat import CacheConfig, ModelLoadError, load_model
-    from h2o_chat.ui import CSS, HEAD, build
-
-    cache = dict(policy=args.policy, budget=args.budget, n_recent=args.n_recent, n_sink=args.n_sink,
-                 score=args.score, positions=args.positions)
-    auth = None
-    try:
-        CacheConfig(**cache)  # refuse impossible budgets before loading anything
-        if args.load_in_4bit and args.load_in_8bit:
-            raise ValueError("choose one of --load-in-4bit and --load-in-8bit")
-        if args.auth is not None:
-            user, sep, password = args.auth.partition(":")
-            if not (sep and user and password):
-                raise ValueError("--auth must look like user:password")
-            auth = (user, password)
-        if args.concurrency < 1:
-            raise ValueError("--concurrency must be at least 1")
-        quantization = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
-        model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization,
-                                      device_map=args.device_map, trust_remote_code=args.trust_remote_code)
-    except (ValueError, ModelLoadError) as e:
-        sys.exit(f"h2o-chat: {e}")
-    from h2o_chat.api import create_router
-    from h2o_chat.batch import Batcher
-    batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
-    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher)
-    demo.queue(default_concurrency_limit=args.concurrency)
-    api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
-                        closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher)
-    # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
-    # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
-                show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # /v1 beside the UI
-
+__all__ = ["main", "parse_args"]
 
 if __name__ == "__main__":
     main()

@@ -24,8 +24,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .pool import SessionPool, TextSession
 from .conversation import Sampling
+from .pool import SessionPool, TextSession
 from .session import ChatSession, GenerationError, check_text
 
 ROLES = ("system", "developer", "user", "assistant")

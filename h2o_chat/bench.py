@@ -208,7 +208,7 @@ def cmd_ops(args):
         with torch.no_grad():
             token = model(text, cache=cache).logits[:, -1:].argmax(-1)
 
-            def step():
+            def step(cache=cache):
                 nonlocal token
                 token = model(token, cache=cache).logits[:, -1:].argmax(-1)
                 token.item()
@@ -676,20 +676,30 @@ def apply_quick(args, argv):
                 setattr(args, name, value)
 
 
-def base_parser(prog, doc):
-    """The options every benchmark and evaluation command shares."""
+def base_parser(prog, doc, shared=()):
+    """The top-level parser, and the parent every subcommand takes, for the options all commands share.
+
+    A shared option is accepted before the subcommand (`--out DIR dialogue`) and after it (`dialogue
+    --out DIR`, where users type it). The parent's copies default to SUPPRESS, so a subcommand that was
+    not given the option leaves the top-level value (or its default) in place.
+    shared: more (flags, argparse keywords) pairs, beside --model and --out.
+    """
+    options = [(("--model",), dict(default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")),
+               (("--out",), dict(default="bench-out", help="folder for JSON and Markdown results")), *shared]
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--out", default="bench-out", help="folder for JSON and Markdown results")
-    return parser
+    parent = argparse.ArgumentParser(add_help=False)
+    for flags, kwargs in options:
+        parser.add_argument(*flags, **kwargs)
+        parent.add_argument(*flags, **{**kwargs, "default": argparse.SUPPRESS})
+    return parser, parent
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = base_parser("python -m h2o_chat.bench", __doc__)
-    parser.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"), help="text the prompts are cut from")
+    text = (("--text",), dict(default=str(DATA_DIR / "tinyshakespeare.txt"), help="text the prompts are cut from"))
+    parser, shared = base_parser("python -m h2o_chat.bench", __doc__, [text])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("dialogue", help="a long multi-turn chat, per-turn latency")
+    p = sub.add_parser("dialogue", parents=[shared], help="a long multi-turn chat, per-turn latency")
     p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))
     p.add_argument("--turns", type=int, default=60)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -711,7 +721,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", help="h2o's model dtype: auto (bf16 on CPUs with native bf16), float32")
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=cmd_dialogue)
-    p = sub.add_parser("decode", help="decode time per token vs tokens seen")
+    p = sub.add_parser("decode", parents=[shared], help="decode time per token vs tokens seen")
     p.add_argument("--seen", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
     p.add_argument("--repeats", type=int, default=3, help="timed windows per method (median reported)")
@@ -721,14 +731,14 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
-    p = sub.add_parser("ops", help="aten ops and host syncs per decode token (profiler)")
+    p = sub.add_parser("ops", parents=[shared], help="aten ops and host syncs per decode token (profiler)")
     p.add_argument("--seen", type=int, default=600)
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["dynamic", "h2o", "full"])
     p.set_defaults(run=cmd_ops)
-    p = sub.add_parser("batch", help="the paper's batch throughput setting (CUDA)")
+    p = sub.add_parser("batch", parents=[shared], help="the paper's batch throughput setting (CUDA)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="llama2-7b", choices=["llama2-7b", "tiny"])
     p.add_argument("--prompt", type=int, default=2048)
@@ -738,12 +748,12 @@ def main(argv=None):
     p.add_argument("--max-batch", type=int, default=1024)
     add_quick(p, prompt=512, new_tokens=128, max_batch=32)
     p.set_defaults(run=cmd_batch)
-    p = sub.add_parser("prefill", help="peak memory of prefilling a long prompt")
+    p = sub.add_parser("prefill", parents=[shared], help="peak memory of prefilling a long prompt")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--budget", type=int, default=512)
     add_quick(p, tokens=1024)
     p.set_defaults(run=cmd_prefill)
-    p = sub.add_parser("prefill-speed", help="prefill tokens/s, ops and bytes allocated: h2o vs DynamicCache")
+    p = sub.add_parser("prefill-speed", parents=[shared], help="prefill tokens/s, ops and bytes allocated: h2o vs DynamicCache")
     p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048])
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     p.add_argument("--budget", type=int, default=512)
@@ -752,13 +762,13 @@ def main(argv=None):
     p.add_argument("--no-counts", dest="counts", action="store_false", help="skip the profiled run")
     add_quick(p, tokens=[512], repeats=1)
     p.set_defaults(run=cmd_prefill_speed)
-    p = sub.add_parser("panel", help="the live panel's cost")
+    p = sub.add_parser("panel", parents=[shared], help="the live panel's cost")
     p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=512)
     add_quick(p, tokens=2000, new_tokens=32)
     p.set_defaults(run=cmd_panel)
-    p = sub.add_parser("soak", help="one session over many turns: memory, speed, reply quality")
+    p = sub.add_parser("soak", parents=[shared], help="one session over many turns: memory, speed, reply quality")
     p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))
     p.add_argument("--turns", type=int, default=160)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -767,7 +777,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     add_quick(p, turns=8, new_tokens=16)
     p.set_defaults(run=cmd_soak)
-    p = sub.add_parser("concurrent", help="N chats at once through the API (one batch) vs one at a time")
+    p = sub.add_parser("concurrent", parents=[shared], help="N chats at once through the API (one batch) vs one at a time")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))
     p.add_argument("--turns", type=int, default=2, help="turns of each chat")

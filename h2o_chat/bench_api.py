@@ -123,7 +123,7 @@ def main(argv=None):
         if arm == "h2o":
             port = free_port()
             process = start_h2o(port, args.threads, args.h2o_args.split())
-            url, stop = f"http://127.0.0.1:{port}", lambda: (process.terminate(), process.wait(30))
+            url, stop = f"http://127.0.0.1:{port}", lambda process=process: (process.terminate(), process.wait(30))
         elif arm == "llamacpp":
             python = llamacpp_worker.find_python(args.llamacpp)
             if python is None:

@@ -27,12 +27,21 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-
 from transformers import DynamicCache
 
 from . import kvpress_worker
-from .bench import (DATA_DIR, add_quick, apply_quick, base_parser, kv_bytes, make_cache, read_input, text_tokens,
-                    write_plot, write_results)
+from .bench import (
+    DATA_DIR,
+    add_quick,
+    apply_quick,
+    base_parser,
+    kv_bytes,
+    make_cache,
+    read_input,
+    text_tokens,
+    write_plot,
+    write_results,
+)
 from .cache import H2OCache
 from .model import load_model
 from .policy import CacheConfig
@@ -242,7 +251,7 @@ def cmd_summarize(args):
                                        "budget": budget, "text": text, "summary_gt": request["summary_gt"]}) + "\n")
     rows = []
     for (method, fraction), rs in results.items():
-        mean = lambda k: round(sum(r[k] for r in rs) / len(rs), 2) if rs and rs[0][k] is not None else ""  # noqa: E731
+        mean = lambda k, rs=rs: round(sum(r[k] for r in rs) / len(rs), 2) if rs and rs[0][k] is not None else ""  # noqa: E731
         rows.append({"method": method, "fraction": fraction, "budget_mean": mean("budget"), "rouge1": mean("rouge1"),
                      "rouge2": mean("rouge2"), "rougeL": mean("rougeL"), "rougeL_vs_full": mean("rougeL_vs_full"),
                      "new_tokens": mean("new_tokens"), "seconds": round(sum(r["seconds"] for r in rs), 1)})
@@ -350,9 +359,9 @@ def cmd_compress(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = base_parser("python -m h2o_chat.evaluate", __doc__)
+    parser, shared = base_parser("python -m h2o_chat.evaluate", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ppl", help="streaming perplexity per policy and budget, then past the model's context")
+    p = sub.add_parser("ppl", parents=[shared], help="streaming perplexity per policy and budget, then past the model's context")
     p.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"), help="any UTF-8 text file")
     p.add_argument("--tokens", type=int, default=4096, help="the span streamed at each budget")
     p.add_argument("--budgets", "--budget", type=numbers, default=[0.1, 0.2, 0.5],
@@ -372,7 +381,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CPUs with native bf16, else fp32), float32, bfloat16")
     add_quick(p, tokens=384, long_tokens=768, long_budget=64, segment=192)  # about 2 minutes on the embedded model
     p.set_defaults(run=cmd_ppl)
-    p = sub.add_parser("summarize", help="XSUM-style summaries (the H2O authors' jsonl format), ROUGE per budget")
+    p = sub.add_parser("summarize", parents=[shared], help="XSUM-style summaries (the H2O authors' jsonl format), ROUGE per budget")
     p.add_argument("--file", required=True, help="jsonl: article (the whole prompt), summary_gt, max_tokens, "
                                                  "temperature, stop (and top_p)")
     p.add_argument("--fractions", type=numbers, default=[0.1, 0.2, 0.5], help="budgets as fractions of each prompt")
@@ -385,7 +394,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i, the same for every method")
     add_quick(p, limit=3, max_tokens=24)
     p.set_defaults(run=cmd_summarize)
-    p = sub.add_parser("compress", help="one context compressed by each method, ppl of what follows")
+    p = sub.add_parser("compress", parents=[shared], help="one context compressed by each method, ppl of what follows")
     p.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"))
     p.add_argument("--context", type=int, default=3584, help="tokens compressed")
     p.add_argument("--continuation", type=int, default=512, help="tokens scored after it")

@@ -13,7 +13,7 @@ import gradio as gr
 from . import ui_chat, ui_panel, ui_settings
 from .ui_state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent / "assets"  # package data: found installed as in a checkout
 CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
 HEAD = f"<script>{(ASSETS / 'app.js').read_text(encoding='utf-8')}</script>"
 

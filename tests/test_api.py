@@ -215,7 +215,7 @@ def test_past_the_memory_bound_the_least_recently_used_conversation_is_dropped(t
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
         convs = {name: [{"role": "user", "content": f"Conversation {name} starts with a long enough message."}]
                  for name in "ABC"}
-        for name, messages in convs.items():
+        for messages in convs.values():
             messages.append({"role": "assistant", "content": chat(client, messages).choices[0].message.content})
             messages.append({"role": "user", "content": "And then?"})
         assert len(router.pool) == 2 and router.pool.kv_bytes() <= 0.5 * 2**20

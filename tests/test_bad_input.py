@@ -25,7 +25,8 @@ from gradio_client import Client
 from transformers import GPT2Config
 
 import app as app_main
-from h2o_chat import ChatSession, session as session_mod, store
+from h2o_chat import ChatSession, store
+from h2o_chat import session as session_mod
 from h2o_chat.model import ModelLoadError, load_model
 from tests.live import live_app, save_tiny_chat, shown, texts, warnings_of
 

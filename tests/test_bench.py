@@ -177,3 +177,28 @@ def test_llamacpp_server_starts_answers_with_timings_and_refuses_past_its_contex
             server.complete([504] * 400, 4)  # n_ctx 128 is rounded up to 256, no further
         process = server.process
     assert process.poll() is not None  # stopped with the block
+
+
+def parsed(module, command, argv, monkeypatch):
+    """The arguments `module.main(argv)` hands `command`'s function, which is replaced so nothing runs."""
+    seen = []
+    monkeypatch.setattr(module, command, seen.append)
+    module.main(argv)
+    (args,) = seen
+    return args
+
+
+@pytest.mark.parametrize("module, command, sub", [(bench, "cmd_dialogue", "dialogue"), (bench, "cmd_prefill", "prefill"),
+                                                  (evaluate, "cmd_ppl", "ppl"), (evaluate, "cmd_compress", "compress")])
+def test_shared_options_are_taken_before_and_after_the_subcommand(module, command, sub, monkeypatch, tmp_path):
+    before = parsed(module, command, ["--out", str(tmp_path / "a"), "--model", "m1", sub, "--quick"], monkeypatch)
+    after = parsed(module, command, [sub, "--quick", "--out", str(tmp_path / "b"), "--model", "m2"], monkeypatch)
+    assert (before.out, before.model) == (str(tmp_path / "a"), "m1")
+    assert (after.out, after.model) == (str(tmp_path / "b"), "m2")
+    neither = parsed(module, command, [sub], monkeypatch)
+    assert (neither.out, neither.model) == ("bench-out", None)  # the top-level defaults, not SUPPRESS's absence
+
+
+def test_bench_text_is_taken_after_the_subcommand(monkeypatch):
+    assert parsed(bench, "cmd_prefill", ["prefill", "--text", "t.txt"], monkeypatch).text == "t.txt"
+    assert parsed(bench, "cmd_prefill", ["--text", "t.txt", "prefill"], monkeypatch).text == "t.txt"

@@ -21,9 +21,10 @@ from gradio_client import Client
 from transformers import DynamicCache
 
 import h2o_chat.ui_state as ui_state
-from h2o_chat import ChatSession, session as session_mod, store
-from h2o_chat.model import load_model
+from h2o_chat import ChatSession, store
+from h2o_chat import session as session_mod
 from h2o_chat.conversation import Message
+from h2o_chat.model import load_model
 from h2o_chat.session import GenerationError
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, live_app, never_ending, save_tiny_chat, text_of, texts, warnings_of

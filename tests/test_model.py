@@ -18,8 +18,17 @@ from transformers import GPT2Config
 
 import h2o_chat.model as model_mod
 from h2o_chat.model import (
-    EMBEDDED_INSTALL, SUPPORTED_MODEL_TYPES, ModelLoadError, default_model_folder, ensure_embedded_model,
-    cpu_auto_dtype, cpu_flags, load_model, resolve_device, resolve_dtype, resolve_spec,
+    EMBEDDED_INSTALL,
+    SUPPORTED_MODEL_TYPES,
+    ModelLoadError,
+    cpu_auto_dtype,
+    cpu_flags,
+    default_model_folder,
+    ensure_embedded_model,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_spec,
 )
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
