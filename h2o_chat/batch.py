@@ -227,10 +227,10 @@ class Arena:
         if len(self.members) == self.rows:
             self._grow(max(1, 2 * self.rows), cache)
         r = len(self.members)
-        for l, layer in enumerate(cache.layers):
-            self.kv[l][:, r : r + 1].copy_(layer.kv)
-            self.meta[l][:, r : r + 1].copy_(layer.meta)
-            layer.set_buffers(self.kv[l][:, r : r + 1], self.meta[l][:, r : r + 1], layer.n_slots)
+        for i, layer in enumerate(cache.layers):
+            self.kv[i][:, r : r + 1].copy_(layer.kv)
+            self.meta[i][:, r : r + 1].copy_(layer.meta)
+            layer.set_buffers(self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], layer.n_slots)
         self.members.append(cache)
         self.idle.append(0)
         self.steps = None
@@ -247,11 +247,11 @@ class Arena:
         if r != last:
             moved = self.members[last]
             held = self._holds(moved, last)
-            for l, layer in enumerate(moved.layers):
-                self.kv[l][:, r].copy_(self.kv[l][:, last])
-                self.meta[l][:, r].copy_(self.meta[l][:, last])
+            for i, layer in enumerate(moved.layers):
+                self.kv[i][:, r].copy_(self.kv[i][:, last])
+                self.meta[i][:, r].copy_(self.meta[i][:, last])
                 if held:
-                    layer.set_buffers(self.kv[l][:, r : r + 1], self.meta[l][:, r : r + 1], layer.n_slots)
+                    layer.set_buffers(self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], layer.n_slots)
             self.members[r], self.idle[r] = moved, self.idle[last]
         self.members.pop()
         self.idle.pop()
@@ -267,19 +267,19 @@ class Arena:
 
     def _grow(self, rows, like):
         kv, meta = [], []
-        for l, layer in enumerate(like.layers):
+        for i, layer in enumerate(like.layers):
             _, _, h, cap, d = layer.kv.shape
             kv.append(layer.kv.new_zeros(2, rows, h, cap, d))  # zeros: a free slot's value times 0 is 0, never NaN
             meta.append(layer.meta.new_zeros(N_META, rows, h, cap))
             if self.kv:
-                kv[l][:, : self.rows].copy_(self.kv[l])
-                meta[l][:, : self.rows].copy_(self.meta[l])
+                kv[i][:, : self.rows].copy_(self.kv[i])
+                meta[i][:, : self.rows].copy_(self.meta[i])
         held = [self._holds(c, r) for r, c in enumerate(self.members)]
         self.kv, self.meta = kv, meta
         for r, cache in enumerate(self.members):
             if held[r]:
-                for l, layer in enumerate(cache.layers):
-                    layer.set_buffers(kv[l][:, r : r + 1], meta[l][:, r : r + 1], layer.n_slots)
+                for i, layer in enumerate(cache.layers):
+                    layer.set_buffers(kv[i][:, r : r + 1], meta[i][:, r : r + 1], layer.n_slots)
 
     @torch.no_grad()
     def step(self, model, requests):

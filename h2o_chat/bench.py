@@ -547,7 +547,7 @@ def cmd_prefill_speed(args):
         for n in args.tokens:
             prompt = text[:, :n]
             make = {"dynamic": lambda: DynamicCache(),
-                    "h2o": lambda: make_cache(model, "h2o", budget=args.budget, prefill_chunk=args.chunk)}
+                    "h2o": lambda model=model: make_cache(model, "h2o", budget=args.budget, prefill_chunk=args.chunk)}
             times = {m: [] for m in make}
             for m in make:  # warm-up, untimed
                 with torch.no_grad():

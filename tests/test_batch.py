@@ -11,8 +11,8 @@ import threading
 
 import pytest
 import torch
-
 from conftest import make_tiny_chat
+
 from h2o_chat.batch import Batcher
 from h2o_chat.session import ChatSession
 
