@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import IDS, KEY, N_META, attend_and_replace, make_step, score_dtype
+from .decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
 IDLE_STEPS = 8  # steps a conversation may sit out before its row is handed back
@@ -55,6 +56,7 @@ class Batcher:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.model, self.max_batch, self.gather_s = model, max_batch, gather_s
+        self.decoder = Decoder(model)
         self.arenas = {}  # cache settings -> Arena (only while it has members)
         self.steps = self.rows_stepped = 0  # batched steps run, and conversations they advanced
         self.largest_batch = 0  # most conversations stacked at once
@@ -161,7 +163,7 @@ class Batcher:
                 arena.join(r.cache)
                 self._add_member(r.cache)
         try:
-            logits = arena.step(self.model, requests)
+            logits = arena.step(self.decoder, requests)
         except BaseException as e:  # the members' caches are part-stepped: each rewinds its own
             for cache in list(arena.members):
                 self._leave(cache)
@@ -179,9 +181,7 @@ class Batcher:
 
     def _alone(self, request):
         try:
-            with torch.no_grad():
-                out = self.model(request.input_ids, cache=request.cache, logits_to_keep=1)
-            request.logits = out.logits[0, -1].float()
+            request.logits = self.decoder.forward(request.input_ids, request.cache)[0]
         except BaseException as e:
             request.error = e
         request.done.set()
@@ -282,7 +282,7 @@ class Arena:
                     layer.set_buffers(kv[i][:, r : r + 1], meta[i][:, r : r + 1], layer.n_slots)
 
     @torch.no_grad()
-    def step(self, model, requests):
+    def step(self, decoder, requests):
         """One decode step of `requests` (a token each, for members): a batched forward over
         every row, where a member without a request sits this step out unchanged. Returns the
         logits [rows, vocab] float32."""
@@ -299,13 +299,12 @@ class Arena:
             for layer in cache.layers:
                 if layer.pins_seen != cache.pins_version:
                     layer.refresh_protection(cache)
-        text = model.config.get_text_config(decoder=True)
+        text = decoder.model.config.get_text_config(decoder=True)
         rows = self._row_state(n_seen, active, text.num_attention_heads // text.num_key_value_heads)
         if self.steps is None:
             self.steps = [None] * len(self.kv)
         stacked = StackedCache(self, rows, n)
-        position_ids = torch.tensor(n_seen, device=dev)[:, None]
-        logits = model(input_ids, position_ids=position_ids, cache=stacked, logits_to_keep=1).logits[:, -1].float()
+        logits = decoder.step(input_ids, torch.tensor(n_seen, device=dev), stacked)
         for cache, on in zip(self.members, active):
             if on:
                 for layer in cache.layers:

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from . import bench_concurrent, kvpress_worker, llamacpp_worker
 from .cache import H2OCache
+from .decode import Decoder
 from .model import embedded_gguf_path, load_model
 from .session import ChatSession
 
@@ -59,12 +60,28 @@ def text_tokens(tokenizer, path, n_tokens):
 
 
 def make_cache(model, method, budget, n_sink=4, prefill_chunk=256, **kw):
-    """'dynamic' (transformers' DynamicCache), 'full', 'window', 'sink', 'h2o' or 'h2o-<score>'."""
+    """'dynamic' (transformers' DynamicCache), 'full', 'window', 'sink', 'h2o' or 'h2o-<score>'
+    (a '+lean' suffix, see `decode_step`, makes the same cache)."""
+    method = method.removesuffix(LEAN)
     if method == "dynamic":
         return DynamicCache()
     policy, _, score = method.partition("-")
     return H2OCache(model, policy=policy, budget=budget, n_sink=n_sink, score=score or "sum",
                     prefill_chunk=prefill_chunk, **kw)
+
+
+LEAN = "+lean"
+
+
+def decode_step(model, method):
+    """`step(token [batch, 1], cache) -> next greedy token [batch, 1]` for `method`: the model's own
+    forward, or for a '+lean' method ('h2o+lean') decode.py's lean step, what the app runs."""
+    if method.endswith(LEAN):
+        decoder = Decoder(model)
+        if decoder.why_not:
+            raise SystemExit(f"bench: {method}: the lean step cannot run this model ({decoder.why_not})")
+        return lambda token, cache: decoder.forward(token, cache).argmax(-1, keepdim=True)
+    return lambda token, cache: model(token, cache=cache).logits[:, -1:].argmax(-1)
 
 
 def kv_bytes(cache):
@@ -74,11 +91,11 @@ def kv_bytes(cache):
 
 
 @torch.no_grad()
-def greedy_steps(model, token, cache, steps):
-    """`steps` greedy decode steps from `token` [batch, 1]; returns the last token and seconds."""
+def greedy_steps(step, token, cache, steps):
+    """`steps` greedy decode steps (`decode_step`'s) from `token` [batch, 1]; the last token and seconds."""
     start = time.perf_counter()
     for _ in range(steps):
-        token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        token = step(token, cache)
     return token, time.perf_counter() - start
 
 
@@ -129,15 +146,16 @@ def cmd_decode(args):
     rows = []
     for seen in tqdm(args.seen, desc="tokens seen"):
         caches, tokens, times = {}, {}, {m: [] for m in args.methods}
+        steps = {m: decode_step(model, m) for m in args.methods}
         for m in args.methods:
             budget = seen + (args.repeats + 1) * args.steps + 2 if m == "h2o-noevict" else args.budget
             caches[m] = make_cache(model, "h2o" if m == "h2o-noevict" else m, budget=budget)
             with torch.no_grad():
                 tokens[m] = model(text[:, :seen], cache=caches[m]).logits[:, -1:].argmax(-1)
-            tokens[m], _ = greedy_steps(model, tokens[m], caches[m], 1)  # warm-up step, untimed
+            tokens[m], _ = greedy_steps(steps[m], tokens[m], caches[m], 1)  # warm-up step, untimed
         for _ in range(args.repeats):
             for m in args.methods:
-                tokens[m], seconds = greedy_steps(model, tokens[m], caches[m], args.steps)
+                tokens[m], seconds = greedy_steps(steps[m], tokens[m], caches[m], args.steps)
                 times[m].append(seconds / args.steps)
         base = statistics.median(times[args.methods[0]])
         for m in args.methods:
@@ -204,13 +222,13 @@ def cmd_ops(args):
     text = text_tokens(tokenizer, args.text, args.seen)
     rows, counts = [], {}
     for method in args.methods:
-        cache = make_cache(model, method, budget=args.budget)
+        cache, decode = make_cache(model, method, budget=args.budget), decode_step(model, method)
         with torch.no_grad():
             token = model(text, cache=cache).logits[:, -1:].argmax(-1)
 
-            def step(cache=cache):
+            def step(cache=cache, decode=decode):
                 nonlocal token
-                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+                token = decode(token, cache)
                 token.item()
 
             for _ in range(2):  # warm-up: first-call paths and lazily built state
@@ -727,7 +745,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed windows per method (median reported)")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--methods", type=lambda s: s.split(","), default=["full", "h2o"],
-                   help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached)")
+                   help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached); "
+                        "a +lean suffix (h2o+lean) decodes through decode.py's lean step, as the app does")
     p.add_argument("--dtype", default="auto")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=cmd_decode)
@@ -736,7 +755,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["dynamic", "h2o", "full"])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["dynamic", "h2o", "full", "h2o+lean", "full+lean"],
+                   help="as decode's --methods; the +lean ones are what the app runs")
     p.set_defaults(run=cmd_ops)
     p = sub.add_parser("batch", parents=[shared], help="the paper's batch throughput setting (CUDA)")
     p.add_argument("--device", default="cuda")

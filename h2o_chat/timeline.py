@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import H2OCache
+from .decode import Decoder
 from .ledger import Ledger
 from .render import token_ids
 
@@ -51,6 +52,7 @@ class Timeline:
     def __init__(self, model, tokenizer, cache_config, batcher=None):
         self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
         self.cache = H2OCache(model, config=cache_config)
+        self.decoder = Decoder(model)  # the lean forward for one generated token (decode.py)
         self.ledger = Ledger()
         self.logits = None
         self.snapshots = []
@@ -121,7 +123,7 @@ class Timeline:
             if self.batcher is not None:  # one thread runs the model for every session, batching decode steps
                 self.logits = self.batcher.run(self.cache, x)
             else:
-                self.logits = self.model(x, cache=self.cache, logits_to_keep=1).logits[0, -1].float()
+                self.logits = self.decoder.forward(x, self.cache)[0]
         except BaseException as e:
             # some layers may have taken the input and others not: go back to a state the cache
             # has fully seen (a snapshot, else empty); the next sync feeds the rest again

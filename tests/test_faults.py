@@ -21,7 +21,7 @@ from gradio_client import Client
 from transformers import DynamicCache
 
 import h2o_chat.ui_state as ui_state
-from h2o_chat import ChatSession, store
+from h2o_chat import ChatSession, H2OCache, store
 from h2o_chat import session as session_mod
 from h2o_chat.conversation import Message
 from h2o_chat.model import load_model
@@ -152,38 +152,33 @@ def test_regenerate_answers_a_message_left_without_a_reply(tiny_chat, tmp_path):
 class OutOfMemory:
     """Makes a forward of the model run out of memory, once: its n-th call from now or (with
     decode=True) its n-th one-token call, the n-th generated token's. The error comes from the
-    last decoder layer, after the first has already written the new tokens into its cache, as
-    a real out-of-memory midway through the model would."""
+    last decoder layer's attention, after the first has already written the new tokens into its
+    cache, as a real out-of-memory midway through the model would. It hooks the cache, which
+    every forward goes through (the model's own, and the lean decode step of decode.py)."""
 
-    def __init__(self, model):
+    def __init__(self, monkeypatch, model):
         self.countdown, self.decode, self.failing = None, False, False
-        forward, last_layer = model.forward, model.model.layers[-1]
-        layer_forward = last_layer.forward
+        attend, last = H2OCache.attend, model.config.num_hidden_layers - 1
 
-        def model_forward(input_ids, *args, **kwargs):
-            if self.countdown is not None and (input_ids.shape[1] == 1 or not self.decode):
+        def failing_attend(cache, layer_idx, query, scaling):
+            if layer_idx == 0 and self.countdown is not None and (query.shape[2] == 1 or not self.decode):
                 self.countdown -= 1
                 self.failing = self.countdown == 0
                 self.countdown = None if self.failing else self.countdown
-            try:
-                return forward(input_ids, *args, **kwargs)
-            finally:
+            if layer_idx == last and self.failing:
                 self.failing = False
-
-        def failing_layer(*args, **kwargs):
-            if self.failing:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-            return layer_forward(*args, **kwargs)
+            return attend(cache, layer_idx, query, scaling)
 
-        model.forward, last_layer.forward = model_forward, failing_layer
+        monkeypatch.setattr(H2OCache, "attend", failing_attend)
 
     def at_call(self, n, decode=False):
         self.countdown, self.decode = n, decode
 
 
-def test_out_of_memory_mid_reply_ends_the_reply_and_keeps_it(tiny_chat, tmp_path):
+def test_out_of_memory_mid_reply_ends_the_reply_and_keeps_it(tiny_chat, tmp_path, monkeypatch):
     model, tok = tiny_chat
-    oom = OutOfMemory(model)
+    oom = OutOfMemory(monkeypatch, model)
     session = ChatSession(model, tok, cache=NO_EVICTION, temperature=0, max_new_tokens=12, data_dir=tmp_path)
     "".join(session.send("Hello there"))
     oom.at_call(3, decode=True)  # three tokens stream; reading the third back into the cache fails
@@ -200,9 +195,9 @@ def test_out_of_memory_mid_reply_ends_the_reply_and_keeps_it(tiny_chat, tmp_path
     assert_in_sync(session)
 
 
-def test_out_of_memory_before_the_reply_takes_the_message_back(tiny_chat, tmp_path):
+def test_out_of_memory_before_the_reply_takes_the_message_back(tiny_chat, tmp_path, monkeypatch):
     model, tok = tiny_chat
-    oom = OutOfMemory(model)
+    oom = OutOfMemory(monkeypatch, model)
     session = ChatSession(model, tok, cache=NO_EVICTION, temperature=0, max_new_tokens=8, data_dir=tmp_path)
     "".join(session.send("Hello there"))
     before, fed = session.history, list(session._fed)
@@ -218,9 +213,9 @@ def test_out_of_memory_before_the_reply_takes_the_message_back(tiny_chat, tmp_pa
     assert "".join(session.send("Short one")) == greedy_reply(model, tok, history, 8)
 
 
-def test_out_of_memory_while_replaying_leaves_a_usable_session(tiny_chat, tmp_path):
+def test_out_of_memory_while_replaying_leaves_a_usable_session(tiny_chat, tmp_path, monkeypatch):
     model, tok = tiny_chat
-    oom = OutOfMemory(model)
+    oom = OutOfMemory(monkeypatch, model)
     session = ChatSession(model, tok, cache=dict(NO_EVICTION, prefill_chunk=8), temperature=0, max_new_tokens=6,
                           data_dir=tmp_path)
     for text in ("One", "Two", "Three"):
@@ -275,7 +270,6 @@ def test_close_mid_reply_stops_it_then_frees_the_cache(tiny_chat, tmp_path):
 def app(tmp_path_factory):
     data = tmp_path_factory.mktemp("app-data")
     model, tok = never_ending(*make_tiny_chat())
-    oom = OutOfMemory(model)
     sessions = weakref.WeakSet()
 
     class Tracked(ChatSession):
@@ -284,6 +278,7 @@ def app(tmp_path_factory):
             sessions.add(self)
 
     with pytest.MonkeyPatch.context() as mp:
+        oom = OutOfMemory(mp, model)
         mp.setattr(ui_state, "ChatSession", Tracked)
         # Gradio notices a closed tab when its next heartbeat fails to send: every 15 s by default
         mp.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.2")

@@ -1,0 +1,118 @@
+"""The lean decode step (decode.py) computes exactly what the model's own forward computes.
+
+Two caches are fed the same prompt; then one decodes through `model(token, cache=...)` and the
+other through `Decoder.step`, each from its own logits. Bitwise equality is required of the
+logits and of every cache buffer, for every policy and score, GQA and MQA, batch 1 and 2,
+fp64 / fp32 / bf16, while the layers fill, once they evict, and across a position roll.
+"""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from h2o_chat import H2OCache
+from h2o_chat.decode import Decoder
+from tests.conftest import make_tiny_llama
+
+POLICY_SCORES = [("full", "sum"), ("window", "sum"), ("sink", "sum"), ("h2o", "sum"), ("h2o", "mean"), ("h2o", "decay")]
+
+
+def decode_both(model, steps=40, batch=1, prompt_len=9, **cache_kwargs):
+    """(model's own forward, Decoder.step): the two caches after `steps` greedy tokens each, and
+    the number of steps whose logits were bitwise equal."""
+    own, lean = H2OCache(model, **cache_kwargs), H2OCache(model, **cache_kwargs)
+    decoder = Decoder(model)
+    assert decoder.why_not is None
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(prompt, cache=own).logits[:, -1].float()
+        model(prompt, cache=lean)
+        equal_steps = 0
+        for _ in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            position = torch.full((batch,), lean.get_seq_length())
+            lean_logits = decoder.step(token, position, lean)
+            logits = model(token, cache=own).logits[:, -1].float()
+            equal_steps += torch.equal(logits, lean_logits)
+    return own, lean, equal_steps
+
+
+def assert_same_state(own, lean):
+    for i, (a, b) in enumerate(zip(own.layers, lean.layers)):
+        assert (a.n_seen, a.n_slots, a.roll_floor) == (b.n_seen, b.n_slots, b.roll_floor), f"layer {i}"
+        assert torch.equal(a.kv, b.kv) and torch.equal(a.meta, b.meta), f"layer {i}: buffers differ"
+
+
+@pytest.mark.parametrize("positions", ["absolute", "rolling"])
+@pytest.mark.parametrize("policy,score", POLICY_SCORES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_lean_step_is_the_model_forward_bit_for_bit(dtype, policy, score, positions):
+    # budget 16: the layers fill during the first steps, then evict; 40 steps past 2 x 16 cross a roll
+    own, lean, equal_steps = decode_both(make_tiny_llama(dtype), policy=policy, score=score, positions=positions,
+                                         budget=16, n_sink=2, n_recent=6, prefill_chunk=4)
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+    if policy != "full":
+        assert own.layers[0].n_slots == 16
+        assert positions == "absolute" or own.layers[0].roll_floor > 0  # a roll happened inside the run
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_kv_head_lean_step(dtype, batch):
+    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, kv_heads=1), batch=batch, budget=12, n_recent=4)
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+
+
+def test_pinned_tokens_and_a_pin_added_mid_stream():
+    model = make_tiny_llama(torch.float64)
+    own, lean = H2OCache(model, budget=12, n_sink=1, n_recent=4), H2OCache(model, budget=12, n_sink=1, n_recent=4)
+    for cache in (own, lean):
+        cache.protect(2, 5)
+    decoder = Decoder(model)
+    token = torch.tensor([[7]])
+    with torch.no_grad():
+        for step in range(30):
+            if step == 10:
+                for cache in (own, lean):
+                    cache.protect(11, 13)
+            a = model(token, cache=own).logits[:, -1].float()
+            b = decoder.forward(token, lean)
+            assert torch.equal(a, b), f"step {step}"
+            token = a.argmax(-1, keepdim=True)
+    assert_same_state(own, lean)
+    kept = set(lean.token_ids(0)[0, 0].tolist())
+    assert {2, 3, 4, 11, 12} <= kept
+
+
+def test_a_model_with_attention_biases_qwen2():
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, use_sliding_window=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # the case this test is for
+    own, lean, equal_steps = decode_both(model, budget=16, n_recent=6)
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+
+
+class FakeQuantLinear(torch.nn.Linear):
+    """Stands for bitsandbytes' Linear4bit/8bitLt: a Linear subclass whose weight is not the math."""
+
+
+def test_models_it_cannot_run_exactly_take_their_own_forward():
+    model = make_tiny_llama()
+    model.model.layers[0].mlp.up_proj.__class__ = FakeQuantLinear
+    decoder = Decoder(model)
+    assert decoder.why_not == "quantized linear layers"
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    cache = H2OCache(model, budget=8, n_recent=4)
+    decoder.forward(torch.tensor([[1, 2, 3]]), cache)
+    decoder.forward(torch.tensor([[4]]), cache)
+    assert len(calls) == 2 and cache.get_seq_length() == 4
+
+    config = make_tiny_llama().config
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert Decoder(LlamaForCausalLM(config)).why_not == "RoPE type 'dynamic'"
