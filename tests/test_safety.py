@@ -22,7 +22,7 @@ import h2o_chat.model as model_mod
 from h2o_chat import ChatSession, store
 from h2o_chat.model import ModelLoadError, load_model
 from tests.conftest import make_tiny_chat
-from tests.live import free_port, live_app, save_tiny_chat, texts
+from tests.live import call, free_port, live_app, save_tiny_chat, texts
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -180,8 +180,8 @@ def test_auth_refuses_clients_without_the_login(guarded, auth):
 
 def test_auth_lets_the_login_in(guarded):
     client = Client(guarded + "/", auth=("alice", "s3cret"), verbose=False)
-    assert texts(client.predict("hi", api_name="/send")[2])[0] == ("user", "hi")
-    assert "secret-session" in str(client.predict(api_name="/saved_sessions"))
+    assert texts(call(client, "hi", api_name="/send")[2])[0] == ("user", "hi")
+    assert "secret-session" in str(call(client, api_name="/saved_sessions"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,10 +234,10 @@ def test_the_app_restores_only_listed_sessions(tmp_path):
     (tmp_path / "outside.json").write_text(json.dumps({"version": 1, "messages": [{"role": "user", "content": "x"}]}))
     with live_app(tmp_path / "data") as (url, _):
         client = Client(url, verbose=False)
-        client.predict(api_name="/saved_sessions")
+        call(client, api_name="/saved_sessions")
         for session_id in ("../outside", "/etc/passwd", "..\\outside"):
             with pytest.raises(AppError, match="not in the list of choices"):
-                client.predict(session_id, api_name="/restore")
+                call(client, session_id, api_name="/restore")
 
 
 # ---------------------------------------------------------------------------------------------
