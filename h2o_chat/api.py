@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .conversation import Sampling, cache_config
-from .pool import SessionPool, TextSession
+from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
 from .session import ChatSession, GenerationError, check_text
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -221,7 +221,7 @@ def read_text_request(body, cache_defaults):
 # --- the routes ---------------------------------------------------------------------------------
 
 def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None, closed=False, concurrency=1,
-                  max_kv_mib=1024, model_id=None, batcher=None):
+                  max_kv_mib=MAX_IDLE_KV_MIB, model_id=None, batcher=None):
     """The `/v1` routes and `/health`. api_key: required as `Authorization: Bearer KEY` on `/v1`;
     closed (the UI has a login and no key was given): `/v1` refuses every request, so the API is
     never open where the UI is not. model None: the model is still loading (503). batcher: the

@@ -12,6 +12,7 @@ from pathlib import Path
 import gradio as gr
 
 from . import ui_chat, ui_panel, ui_settings
+from .conversation import cache_config
 from .ui_state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
@@ -78,7 +79,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 chat = ui_chat.build()
                 settings = ui_settings.build()
             with gr.Column(scale=2, min_width=320):
-                panel = ui_panel.build(app.n_layers, app.n_heads, cache_defaults.get("policy", "h2o"))
+                panel = ui_panel.build(app.n_layers, app.n_heads, cache_config(dict(cache_defaults)).policy)
         tab = Tab(app, session, conversation_id, chat, settings, panel)
         ui_chat.wire(app, tab, chat, session, conversation_id, state)
         ui_panel.wire(panel, session, state, app.n_layers, app.n_heads)
