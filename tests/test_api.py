@@ -18,12 +18,12 @@ import h2o_chat
 from h2o_chat import ChatSession, store
 from h2o_chat.api import create_router
 from h2o_chat.batch import Batcher
-from h2o_chat.pool import LENT_WAIT_S, SessionPool
 from h2o_chat.ui import CSS, build
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, never_ending
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# every test here starts a server (the app, or app.py in a process)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.live, pytest.mark.slow]
 
 KEY = "test-key-123"
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
@@ -423,22 +423,6 @@ def test_clients_decoded_in_one_batch_get_what_each_gets_alone_and_a_disconnect_
         while batcher.batch_size and time.monotonic() < deadline:
             time.sleep(0.05)
         assert batcher.batch_size == 0  # every reply has ended: no rows are held
-
-
-def test_a_request_waits_briefly_for_the_busy_session_that_holds_its_history():
-    model, tokenizer = make_tiny_chat()
-    pool = SessionPool(lambda kind, cache, system: ChatSession(model, tokenizer, cache=cache, system_prompt=system),
-                       max_kv_bytes=2**30)
-    history = [{"role": "user", "content": "hello there", "pinned": False}]
-    busy, _ = pool.acquire("chat", CACHE, None, history)
-    busy.messages = [dict(m) for m in history]
-    list(busy.regenerate())  # it has fed the history (and a reply) and is still lent
-    threading.Timer(0.3, pool.release, args=(busy,)).start()
-    start = time.monotonic()
-    again, _ = pool.acquire("chat", CACHE, None, history)
-    assert again is busy and 0.2 < time.monotonic() - start < LENT_WAIT_S
-    other, _ = pool.acquire("chat", CACHE, None, history)  # lent again: after the wait, a new session
-    assert other is not busy and len(pool) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from h2o_chat import store
 from tests.conftest import make_tiny_chat
 from tests.live import CALL_DEADLINE_S, call, deadline, live_app, never_ending, shown, text_of
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):

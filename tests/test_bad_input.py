@@ -799,6 +799,7 @@ def warned(client, api, *args, match):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 @pytest.mark.parametrize("text, match", [
     pytest.param("   \n\t ", "is empty", id="whitespace"),
     pytest.param(None, "the message must be text", id="none"),  # only the API can send this
@@ -812,6 +813,7 @@ def test_the_app_refuses_a_bad_message_and_keeps_it_in_the_box(app, text, match)
 
 
 @pytest.mark.live
+@pytest.mark.slow
 @pytest.mark.parametrize("text", pick(ACCEPTED, "control-characters", "markup-indents-tabs"))
 def test_the_app_keeps_valid_text_exactly(app, text):
     url, data = app
@@ -829,6 +831,7 @@ def test_the_app_keeps_valid_text_exactly(app, text):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 @pytest.mark.parametrize("budget, n_recent, n_sink, match", pick(APP_CACHE_FIELDS, "budget-field-empty",
                                                                   "sinks-plus-recent-over"))
 def test_the_app_refuses_invalid_cache_settings(app, budget, n_recent, n_sink, match):
@@ -841,6 +844,7 @@ def test_the_app_refuses_invalid_cache_settings(app, budget, n_recent, n_sink, m
 
 
 @pytest.mark.live
+@pytest.mark.slow
 def test_the_app_refuses_a_budget_that_is_not_a_number(app):
     from gradio_client.exceptions import AppError
 
@@ -851,6 +855,7 @@ def test_the_app_refuses_a_budget_that_is_not_a_number(app):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_p, max_new, match", pick(APP_SAMPLING_FIELDS, "max_new_tokens-0"))
 def test_the_app_refuses_odd_sampling_values(app, temperature, top_p, max_new, match):
     client, before = tab_with_one_exchange(app[0])
@@ -860,6 +865,7 @@ def test_the_app_refuses_odd_sampling_values(app, temperature, top_p, max_new, m
 
 
 @pytest.mark.live
+@pytest.mark.slow
 def test_an_empty_slider_is_refused_by_gradio(app):
     # the page cannot send an empty slider; a script can, and Gradio's own check refuses it
     from gradio_client.exceptions import AppError
@@ -871,6 +877,7 @@ def test_an_empty_slider_is_refused_by_gradio(app):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 def test_the_app_refuses_a_pick_that_is_not_a_choice(app):
     # the dropdowns refuse a value outside their choices before the callback sees it
     # (test_odd_picks_warn_and_leave_the_view_as_it_was checks the callback's own refusal)
@@ -883,6 +890,7 @@ def test_the_app_refuses_a_pick_that_is_not_a_choice(app):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 def test_the_app_reports_a_corrupt_saved_session_and_keeps_the_chat(app):
     url, data = app
     client, before = tab_with_one_exchange(url)
@@ -894,6 +902,7 @@ def test_the_app_reports_a_corrupt_saved_session_and_keeps_the_chat(app):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 @pytest.mark.parametrize("api, args, match", [
     pytest.param("/undo", (), "Nothing to do yet", id="undo"),
     pytest.param("/restore", (None,), "choose a saved conversation first", id="restore-nothing-chosen"),
@@ -905,6 +914,7 @@ def test_the_app_refuses_actions_on_an_empty_chat(app, api, args, match):
 
 
 @pytest.mark.live
+@pytest.mark.slow
 @pytest.mark.parametrize("api, args, match", [
     pytest.param("/edit", (None, "x"), "must be a whole number", id="edit-no-number"),
     pytest.param("/pin", (3, True), "no message 3", id="pin-past-the-end"),

@@ -13,7 +13,8 @@ from tests.live import free_port, live_app, never_ending
 
 CHROMIUM = shutil.which("chromium")
 playwright = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)"),
+              pytest.mark.browser, pytest.mark.live, pytest.mark.slow]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="mean", positions="rolling")

@@ -78,6 +78,7 @@ def assert_in_sync(session):
 
 
 @pytest.mark.parametrize("cache", [NO_EVICTION, EVICTING], ids=["no-eviction", "evicting"])
+@pytest.mark.slow
 def test_stop_at_50_random_points(tiny_chat, tmp_path, cache):
     model, tok = tiny_chat
     session = ChatSession(model, tok, cache=cache, temperature=0, max_new_tokens=8, data_dir=tmp_path)
@@ -329,6 +330,8 @@ def short_replies(client):
     call(client, "", 0, 0.9, 16, api_name="/sampling")  # max new tokens: 16
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     url = app["url"]
     tab = Client(url, verbose=False)
@@ -355,6 +358,8 @@ def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     assert chat[2] == ("user", "Still there?") and session.cache.kv_bytes() > 0
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_a_cancelled_call_stops_the_reply_and_the_app_goes_on(app):
     client = Client(app["url"], verbose=False)
     job = client.submit("Cancelled: tell me a long story", api_name="/send")
@@ -370,6 +375,8 @@ def test_a_cancelled_call_stops_the_reply_and_the_app_goes_on(app):
     assert [c for c in chat if c[0] == "user"] == [("user", "Cancelled: tell me a long story"), ("user", "And now?")]
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_two_tabs_at_once_each_stop_only_their_own(app):
     # one reply at a time: the second tab's waits in the queue
     a, b = Client(app["url"], verbose=False), Client(app["url"], verbose=False)
@@ -388,6 +395,8 @@ def test_two_tabs_at_once_each_stop_only_their_own(app):
         assert [(m["role"], m["content"]) for m in saved] == texts(chat)
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_out_of_memory_in_the_app_ends_the_reply_with_a_message(app):
     client = Client(app["url"], verbose=False)
     short_replies(client)
@@ -402,6 +411,8 @@ def test_out_of_memory_in_the_app_ends_the_reply_with_a_message(app):
     assert chat[2] == ("user", "Next one") and chat[3][0] == "assistant"
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_out_of_memory_reading_a_message_keeps_it_in_the_box(app):
     client = Client(app["url"], verbose=False)
     short_replies(client)
@@ -432,6 +443,8 @@ def wait_until_up(url, proc, log, seconds=120):
     raise AssertionError(f"app.py did not start:\n{log.read_text()[-2000:]}")
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
     model_dir = save_tiny_chat(tmp_path / "model", never_ends=True)
     data, log, port = tmp_path / "data", tmp_path / "app.log", free_port()

@@ -31,6 +31,8 @@ from h2o_chat.model import (
     resolve_spec,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -292,6 +294,8 @@ def test_stray_non_model_folder_is_reported(tmp_path):
 # The real embedded model (converted once per machine, loaded once per session)
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_model_shape(embedded_model):
     model, tokenizer = embedded_model
     config = model.config
@@ -304,6 +308,8 @@ def test_embedded_model_shape(embedded_model):
     assert tokenizer.eos_token == "<|im_end|>"
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_model_chats_in_english(embedded_model):
     model, tokenizer = embedded_model
     messages = [{"role": "user", "content": "Write a few sentences about why the sky is blue."}]
@@ -316,6 +322,8 @@ def test_embedded_model_chats_in_english(embedded_model):
     assert len(text.split()) >= 3, text
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_second_load_comes_from_the_converted_cache(embedded_conversion):
     start = time.perf_counter()
     model, tokenizer = load_model()

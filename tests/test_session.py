@@ -17,6 +17,8 @@ from h2o_chat import timeline as timeline_mod
 from h2o_chat.ledger import Ledger
 from tests.live import deadline, never_ending
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 USER_TURNS = ["Hello there!", "Tell me a story about a lighthouse.", "Make it shorter.", "Who is the hero?", "Thanks."]
 NO_EVICTION = dict(policy="h2o", budget=4096, n_sink=4, n_recent=64)
 
@@ -53,6 +55,8 @@ def test_nothing_evicted_equals_reprefilling_the_history(tiny_chat):
     assert replies == expected
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_model_nothing_evicted_equals_reprefilling(embedded_model):
     model, tok = embedded_model
     turns = USER_TURNS[:5]
@@ -282,6 +286,7 @@ def test_ledger_retention_while_the_cache_is_ahead(tiny_chat):
 
 
 @pytest.mark.parametrize("score", ["sum", "mean"])
+@pytest.mark.slow
 def test_ledger_retention_read_from_another_thread_while_streaming(tiny_chat, score):
     # the app's panel reads the cache from a request thread while the reply is being fed on
     # another; a read that caught a layer between two slot counts used to raise
@@ -333,6 +338,8 @@ def assert_pin_whole(session, n_tokens):
             assert not missing, f"layer {layer} head {head} lost {len(missing)} of {end - start} pinned tokens"
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_a_pin_survives_every_replay_on_the_embedded_model(embedded_model, tmp_path):
     # the budget leaves about 15 slots for heavy hitters next to the pin (the sheet and its template
     # head): without its protection from the first token fed, it would lose most of them in a replay
