@@ -24,8 +24,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .conversation import Sampling
-from .pool import SessionPool, TextSession
+from .conversation import Sampling, cache_config
+from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
 from .session import ChatSession, GenerationError, check_text
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -174,6 +174,10 @@ def read_cache(body, defaults, n_system, n_chat):
         raise ApiError(400, f"unknown h2o setting {unknown[0]!r}; the settings are "
                             f"{', '.join(CACHE_FIELDS)}, pinned", "h2o")
     cache = dict(defaults, **{k: v for k, v in ext.items() if k != "pinned"})
+    try:
+        cache_config(cache)  # checked with the rest of the body: a 400 before a worker starts
+    except ValueError as e:
+        raise ApiError(400, str(e), "h2o") from None
     pinned = ext.get("pinned") or []
     if not isinstance(pinned, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in pinned):
         raise ApiError(400, "h2o.pinned must be a list of message indices", "h2o")
@@ -188,10 +192,36 @@ def read_cache(body, defaults, n_system, n_chat):
     return cache, turns
 
 
+def read_chat_request(body, cache_defaults):
+    """A /v1/chat/completions body (a dict) -> the Job that answers it; ApiError (400) saying what
+    is wrong with anything it cannot run. Every check of the body is made here, before any work."""
+    system_prompt, messages, n_system = read_messages(body.get("messages"))
+    sampling = read_sampling(body)
+    cache, pinned = read_cache(body, cache_defaults, n_system, len(messages))
+    for turn in pinned:
+        messages[turn]["pinned"] = True
+    return Job("chat", system_prompt, messages, sampling, cache, *stream_flags(body))
+
+
+def read_text_request(body, cache_defaults):
+    """A /v1/completions body (a dict) -> the Job that answers it (the prompt as one open user
+    turn); ApiError (400) otherwise."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be one string", "prompt")
+    prompt = _checked(prompt, "the prompt")
+    sampling = read_sampling(body)
+    cache, _ = read_cache(body, cache_defaults, 0, 0)
+    return Job("text", None, [{"role": "user", "content": prompt, "pinned": False}], sampling, cache,
+               *stream_flags(body))
+
+
 # --- the routes ---------------------------------------------------------------------------------
 
 def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None, closed=False, concurrency=1,
-                  max_kv_mib=1024, model_id=None, batcher=None):
+                  max_kv_mib=MAX_IDLE_KV_MIB, model_id=None, batcher=None):
     """The `/v1` routes and `/health`. api_key: required as `Authorization: Bearer KEY` on `/v1`;
     closed (the UI has a login and no key was given): `/v1` refuses every request, so the API is
     never open where the UI is not. model None: the model is still loading (503). batcher: the
@@ -277,25 +307,11 @@ class Api:
 
     async def chat_completions(self, request):
         body = await self.read_body(request)
-        system_prompt, messages, n_system = read_messages(body.get("messages"))
-        sampling = read_sampling(body)
-        cache, pinned = read_cache(body, self.cache_defaults, n_system, len(messages))
-        for turn in pinned:
-            messages[turn]["pinned"] = True
-        return await self.run(request, Job("chat", system_prompt, messages, sampling, cache, *stream_flags(body)))
+        return await self.run(request, read_chat_request(body, self.cache_defaults))
 
     async def completions(self, request):
         body = await self.read_body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise ApiError(400, "prompt must be one string", "prompt")
-        prompt = _checked(prompt, "the prompt")
-        sampling = read_sampling(body)
-        cache, pinned = read_cache(body, self.cache_defaults, 0, 0)
-        return await self.run(request, Job("text", None, [{"role": "user", "content": prompt, "pinned": False}],
-                                           sampling, cache, *stream_flags(body)))
+        return await self.run(request, read_text_request(body, self.cache_defaults))
 
     async def unknown(self, request: Request, path: str):
         try:

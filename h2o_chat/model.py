@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache import SUPPORTED_MODEL_TYPES  # what H2OCache can run: the loader refuses the rest early
 
@@ -57,29 +57,51 @@ class ModelSource:
 # Public entry point
 
 
-def load_model(spec=None, *, dtype="auto", device="auto", quantization=None, device_map=None,
-               trust_remote_code=False, cache_dir=None):
+def load_model(spec: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "auto", quantization: str | None = None, device_map: str | None = None,
+               trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, ready for inference.
-
-    spec: None / "default" / "smollm2" for the embedded model; a transformers folder (with
-        config.json); a path to a .gguf file; or a hub id "org/name" (local HF cache first).
-    dtype: "auto" (bf16 on CUDA if supported, else fp16; on CPU bf16 where it has native bf16
-        matmuls, avx512_bf16 or AMX, else fp32: see `cpu_auto_dtype`), a name such as "bf16",
-        or a torch.dtype. Pass "float32" where results must match fp32 figures.
-    device: "auto" (CUDA when available, else CPU), or anything torch.device accepts.
-    quantization: None, "4bit" or "8bit" (bitsandbytes, CUDA only).
-    device_map: None, or "auto" to let accelerate spread the model over the GPUs.
-    trust_remote_code: run Python code shipped with a model only when True. Always passed to
-        transformers explicitly: left unset, transformers would ask on the terminal instead
-        of refusing.
-    cache_dir: root of h2o-chat's own cache (default $H2O_CHAT_CACHE, else ~/.cache/h2o-chat);
-        holds the converted embedded model. Hub downloads use the Hugging Face cache (HF_HOME).
 
     Weights are read only from .safetensors (or .gguf) files, never from pickled .bin/.pt
     files, which can run code when loaded.
 
-    Returns (model, tokenizer); the model is in eval mode with gradients off.
-    Raises ModelLoadError (a ValueError) with a one-line message when the model cannot be used.
+    Parameters
+    ----------
+    spec : str, path or None, default None
+        None, "default" or "smollm2" for the embedded SmolLM2-135M-Instruct; a transformers
+        folder (with config.json); a path to a .gguf file; or a hub id "org/name" (read from the
+        local Hugging Face cache first).
+    dtype : str or torch.dtype, default "auto"
+        "auto": bf16 on CUDA where supported, else fp16; on CPU bf16 where it has native bf16
+        matmuls (avx512_bf16 or AMX), else fp32 (see `cpu_auto_dtype`). Or a name such as
+        "bf16", or a torch.dtype. Pass "float32" where results must match fp32 figures.
+    device : str or torch.device, default "auto"
+        "auto": CUDA when available, else CPU; or anything torch.device accepts.
+    quantization : {None, "4bit", "8bit"}, default None
+        bitsandbytes weight quantization (CUDA only).
+    device_map : {None, "auto"}, default None
+        "auto" lets accelerate spread the model over the GPUs.
+    trust_remote_code : bool, default False
+        Run Python code shipped with a model only when True. Always passed to transformers
+        explicitly: left unset, transformers would ask on the terminal instead of refusing.
+    cache_dir : str, path or None, default None
+        Root of h2o-chat's own cache (None: $H2O_CHAT_CACHE, else ~/.cache/h2o-chat), which holds
+        the converted embedded model. Hub downloads use the Hugging Face cache (HF_HOME).
+
+    Returns
+    -------
+    model : transformers.PreTrainedModel
+        In eval mode with gradients off. It maps input ids `[batch, seq]` to logits
+        `[batch, seq, vocab]`; give it an `H2OCache` to bound its KV memory.
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer, with its chat template when the model has one.
+
+    Raises
+    ------
+    ModelLoadError
+        (a ValueError) with a one-line message when the model cannot be found, read or used
+        (an unsupported architecture is refused before the weights are read).
     """
     # Cheap argument checks first, so a typo fails before any file is read.
     device = resolve_device(device)

@@ -17,6 +17,8 @@ import io
 import torch
 from PIL import Image
 
+from .policy import CacheConfig
+
 # status -> colour; strength (the share of the view's heads keeping the token) sets opacity
 COLORS = {"sink": "#CC79A7", "pinned": "#009E73", "heavy": "#E69F00", "kept": "#F0E442",
           "recent": "#56B4E9", "evicted": "#999999"}
@@ -131,7 +133,7 @@ def shown_statuses(policy):
             "window": ("pinned", "recent", "kept", "evicted"), "full": ("sink", "pinned", "kept")}.get(policy, SHOWN)
 
 
-def legend_html(policy="h2o"):
+def legend_html(policy=CacheConfig.policy):
     items = "".join(f'<span class="tok st-{s}" style="background:{COLORS[s]}55" title="{STATUS_TEXT[s]}">{s}</span> '
                     for s in shown_statuses(policy))
     return f'<div class="legend"><p>{html.escape(POLICY_TEXT.get(policy, POLICY_TEXT["h2o"]))}</p>{items}</div>'

@@ -25,22 +25,49 @@ def _is_fraction(x) -> bool:
 
 @dataclass
 class CacheConfig:
-    """How an `H2OCache` evicts. Budgets are in slots per layer and KV head.
+    """How an `H2OCache` evicts: the one declaration of every cache setting and its default.
 
-    budget:    total slots (int), or a fraction of the first prompt's length (float in (0, 1)),
-               as in the paper's experiments ("20%" = budget=0.2).
-    n_sink:    the first tokens, always kept (StreamingLLM's attention sinks; 0 is the paper's H2O).
-    n_recent:  the newest tokens, always kept. None: half of what the sinks leave (the paper's
-               equal heavy/recent split). A fraction when budget is a fraction.
-    score:     how attention mass adds up into a token's score: "sum" (the paper), "mean"
-               (sum / number of queries that could see the token: older tokens are not
-               favoured just for being old), "decay" (each new query first multiplies the old
-               mass by `decay`).
-    positions: "absolute" keeps each key at the RoPE position it was written with (the paper's
-               real drop); "rolling" re-rotates kept keys to contiguous positions ending right
-               before the next query whenever the oldest falls twice the budget behind, so no
-               distance exceeds 2 x budget and a chat can outlive the trained context.
-    prefill_chunk: a long input is attended in chunks of this many tokens, evicting after each.
+    Budgets count slots per layer and KV head: a bounded layer's keys and values are
+    `[batch, kv_heads, slots, head_dim]` with `slots <= budget`. Every setting is checked on
+    construction; a bad one raises `ValueError` naming it, before any model is touched.
+
+    Parameters
+    ----------
+    policy : {"h2o", "sink", "window", "full"}, default "h2o"
+        What fills the budget: heavy hitters and the recent window (`h2o`); the sinks and the
+        newest tokens (`sink`, StreamingLLM); the newest tokens only (`window`); everything
+        (`full`, never evicts).
+    budget : int or float, default 512
+        Total slots per layer and KV head (int), or a fraction in (0, 1) of the first prompt's
+        length, as in the paper's experiments ("20%" is `budget=0.2`). A float that is a whole
+        number is taken as that int.
+    n_sink : int, default 4
+        The first tokens, always kept (StreamingLLM's attention sinks; 0 is the paper's H2O).
+        Ignored by `window`.
+    n_recent : int, float or None, default None
+        The newest tokens, always kept. None: half of what the sinks leave for `h2o` (the
+        paper's equal heavy/recent split), all of it for `sink` and `window`. A fraction only
+        when `budget` is one too.
+    score : {"sum", "mean", "decay"}, default "sum"
+        How attention mass adds up into a token's score: summed (the paper); divided by the
+        number of queries that could see the token (old tokens are not favoured for being old);
+        exponentially decayed (each new query first multiplies the old mass by `decay`).
+    decay : float, default 0.9
+        The factor of `score="decay"`, in (0, 1].
+    positions : {"rolling", "absolute"}, default "rolling"
+        `absolute` keeps each key at the RoPE position it was written with (the paper's real
+        drop); `rolling` re-rotates kept keys to contiguous positions ending right before the
+        next query whenever the oldest falls twice the budget behind, so no distance exceeds
+        2 x budget and a chat can outlive the model's trained context.
+    prefill_chunk : int, default 256
+        A long input is attended in chunks of this many tokens, evicting after each, so scoring
+        never builds a `[heads, n, n]` matrix for the whole prompt.
+
+    Raises
+    ------
+    ValueError
+        An unknown choice, a budget that is not positive (or not a number), negative counts, or
+        `n_sink + n_recent` over an int budget.
     """
 
     policy: str = "h2o"
@@ -94,7 +121,18 @@ class CacheConfig:
         return 0 if self.policy == "window" else self.n_sink
 
     def resolve(self, prompt_len: int) -> "Budget":
-        """Budgets in slots. Fractions are taken of `prompt_len`, the first prompt's length."""
+        """The budgets in slots.
+
+        Parameters
+        ----------
+        prompt_len : int
+            The first prompt's length in tokens: what fractional budgets are taken of.
+
+        Returns
+        -------
+        Budget
+            `budget` (None for `full`), `n_sink` and `n_recent` in slots; `n_heavy` is the rest.
+        """
         if self.policy == "full":
             return Budget(budget=None, n_sink=0, n_recent=0)
         budget = self.budget

@@ -22,6 +22,7 @@ from .session import ChatSession, cache_config
 # a ChatSession holds its live cache and, after `send`, at most three snapshots of it (before the
 # last reply, before this exchange, after this prompt): the pool counts every session at that bound
 KV_COPIES = 4
+MAX_IDLE_KV_MIB = 1024  # the default bound on the pool's KV memory (the app's --api-kv-mib)
 LENT_WAIT_S = 2.0  # how long a request waits for a busy session that shares more of it than any idle one
 
 

@@ -12,6 +12,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a private app phon
 def parse_args(argv=None):
     from .conversation import CHOICES  # what the session layer offers
     from .policy import CacheConfig
+    from .pool import MAX_IDLE_KV_MIB
 
     cache = CacheConfig()  # the cache flags' defaults are the dataclass's: declared once, there
 
@@ -44,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the /v1 API (default: $H2O_CHAT_API_KEY; with "
                         "--auth and no key the API refuses every request)")
-    p.add_argument("--api-kv-mib", type=float, default=1024, help="KV memory of the API's idle conversations (default 1024)")
+    p.add_argument("--api-kv-mib", type=float, default=MAX_IDLE_KV_MIB,
+                   help=f"KV memory of the API's idle conversations (default {MAX_IDLE_KV_MIB})")
     return p.parse_args(argv)
 
 

@@ -27,14 +27,19 @@ conversation) saves its copy as a fork, switches to it and says so in `notices`,
 either of them sent is lost.
 """
 
+from __future__ import annotations
+
+import os
 import threading
 import time
 import unicodedata
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
+from .policy import CacheConfig
 from .render import render, turn_ranges
 from .sampler import Sampler, stop_token_ids
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
@@ -89,8 +94,52 @@ class TurnStats:
 
 
 class ChatSession:
-    def __init__(self, model, tokenizer, cache=None, system_prompt=None, data_dir=None, session_id=None,
-                 conversation=None, on_progress=None, batcher=None, **sampling_fields):
+    """One conversation with a model whose KV cache is an `H2OCache`: each turn feeds only its own
+    new tokens, replies stream as text, and every change (edit, undo, pin, settings) goes through
+    one replay path, so the cache always holds exactly the chat template's rendering of the chat.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A LLaMA-family causal LM (see `load_model`); it maps ids `[batch, seq]` to logits
+        `[batch, seq, vocab]`. The session runs it with batch 1 (or in the rows a `batcher` gives).
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer, with a chat template.
+    cache : CacheConfig, dict or None, default None
+        The cache settings (`CacheConfig` fields); None: CacheConfig's defaults.
+    system_prompt : str or None, default None
+        None or blank: no system prompt.
+    data_dir : str, path or None, default None
+        Where the conversation is autosaved (one JSON file) after every change; None: never saved.
+    session_id : str or None, default None
+        The conversation's id (1-64 letters, digits, '-' or '_'); None: a new random one.
+    conversation : Conversation or None, default None
+        An existing conversation to run (it is replayed); give it or the settings above, not both.
+    on_progress : callable(done, total) or None, default None
+        Called while a conversation is replayed into the cache, with tokens fed and to feed.
+    batcher : batch.Batcher or None, default None
+        Shared with other sessions: their decode steps run as one batched forward.
+    **sampling_fields
+        `Sampling` fields (temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
+        stop); what is not given is Sampling's default.
+
+    Raises
+    ------
+    ValueError
+        A setting that is not valid (it names it), before anything is built.
+
+    Notes
+    -----
+    What callers read: `history` (the transcript as role/content dicts), `messages`
+    (`Message`s, with pins), `settings`, `cache_config`, `sampling`, `system_prompt`, `cache`
+    (the `H2OCache`: per layer keys and values `[1, kv_heads, slots <= budget, head_dim]`),
+    `ledger` (every token fed), `stats`, `busy`, `conversation` (what is saved).
+    """
+
+    def __init__(self, model, tokenizer, cache: CacheConfig | dict | None = None, system_prompt: str | None = None,
+                 data_dir: str | os.PathLike | None = None, session_id: str | None = None,
+                 conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
+                 batcher=None, **sampling_fields):
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
             conversation = Conversation(settings=settings)
@@ -116,14 +165,34 @@ class ChatSession:
             self._sync()
 
     @classmethod
-    def from_conversation(cls, model, tokenizer, conversation, data_dir=None, on_progress=None, batcher=None):
-        """The runtime of `conversation` (replayed into a fresh cache, with progress)."""
+    def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
+                          batcher=None) -> ChatSession:
+        """The runtime of `conversation`: it is replayed into a fresh cache (pinned messages
+        protected before their tokens are fed), calling `on_progress(done, total)` as it goes."""
         return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress,
                    batcher=batcher)
 
     @classmethod
-    def open(cls, model, tokenizer, conversation_id, data_dir, on_progress=None, batcher=None):
-        """A saved conversation, replayed; store.SessionFileError when it cannot be loaded."""
+    def open(cls, model, tokenizer, conversation_id: str, data_dir: str | os.PathLike, on_progress=None,
+             batcher=None) -> ChatSession:
+        """A saved conversation, replayed into a fresh cache.
+
+        Parameters
+        ----------
+        conversation_id : str
+            Its id (the file's name in `data_dir`, without `.json`).
+        data_dir : str or path
+            The data folder it was saved in; the session goes on saving there.
+
+        Returns
+        -------
+        ChatSession
+
+        Raises
+        ------
+        store.SessionFileError
+            (a ValueError) when the file is missing, corrupt or holds invalid settings.
+        """
         return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress,
                                      batcher)
 
@@ -149,11 +218,16 @@ class ChatSession:
         self.conversation.messages = [Message.of(m) for m in messages]
 
     @property
-    def history(self):
+    def history(self) -> list[dict]:
+        """The transcript: [{"role": "user" | "assistant", "content": str}], oldest first."""
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
     @property
-    def stats(self):
+    def stats(self) -> dict:
+        """tokens_seen (fed so far), tokens_processed (run through the model, replays included),
+        slots_used (per layer and KV head), kv_bytes and full_kv_bytes (what a cache that never
+        evicts would hold), ttft_s and tokens_per_s of the last reply (None before one); live while
+        a reply streams."""
         t, cache = self.last_turn, self.cache
         timing = {"ttft_s": None, "tokens_per_s": None} if t is None else \
             {"ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
@@ -162,22 +236,44 @@ class ChatSession:
                 **timing}
 
     # --- replies: generators that do their work when iterated ---------------------------------
-    def send(self, text):
-        """Add a user message and stream the reply as text pieces."""
+    def send(self, text: str) -> Iterator[str]:
+        """Add a user message and stream the reply.
+
+        The message is checked at once; everything else happens while the returned generator is
+        iterated (one that is never iterated changes nothing).
+
+        Parameters
+        ----------
+        text : str
+            The message, kept exactly as typed (see `check_text` for what is refused).
+
+        Returns
+        -------
+        Iterator[str]
+            The reply's text pieces; joined, they are the reply (`history[-1]["content"]`).
+
+        Raises
+        ------
+        ValueError
+            At once, for a message that is not usable text or while a reply is being written;
+            `GenerationError` (a ValueError) while iterating, when the model runs out of memory.
+        """
         message = Message("user", check_text(text))
         self._stop.clear()  # a Stop pressed from here on stops this reply, even before it starts
         return self._exchange(message)
 
-    def regenerate(self):
-        """Drop the last reply and draw a new one from the same state. A last message that has
-        no reply (the app was killed while answering it) gets one."""
+    def regenerate(self) -> Iterator[str]:
+        """Drop the last reply and draw a new one from the same state (a generator of text pieces,
+        as `send`). A last message that has no reply (the app was killed while answering it) gets
+        one. ValueError when there is nothing to regenerate."""
         if not self.messages:
             raise ValueError("there is no reply to regenerate")
         self._stop.clear()
         return self._exchange(None)
 
-    def continue_reply(self):
-        """Stream more of the last reply (it must be the assistant's)."""
+    def continue_reply(self) -> Iterator[str]:
+        """Stream more of the last reply (a generator of text pieces, as `send`); ValueError when
+        the last message is not the assistant's."""
         if not self.messages or self.messages[-1].role != "assistant":
             raise ValueError("there is no reply to continue")
         self._stop.clear()
@@ -272,8 +368,9 @@ class ChatSession:
         self.autosave()  # after the flag: a failing disk must not keep close() waiting
 
     # --- changes: checked first, then applied through the one replay path ----------------------
-    def undo(self):
-        """Remove the last exchange (the reply and the message it answered)."""
+    def undo(self) -> None:
+        """Remove the last exchange (the reply and the message it answered); the cache goes back to
+        what it held before it. ValueError when there is nothing to undo."""
         self._check_idle()
         if not self.messages:
             raise ValueError("nothing to undo")
@@ -284,8 +381,10 @@ class ChatSession:
         self._sync()
         self.autosave()
 
-    def edit(self, turn, text):
-        """Replace the text of message `turn`; the cache replays from the first changed token."""
+    def edit(self, turn: int, text: str) -> None:
+        """Replace the text of message `turn` (an index into `messages`); the cache replays from
+        the first changed token. ValueError (nothing changed) for a turn that does not exist, text
+        that is not usable, or an edit that no longer fits a pin."""
         self._check_idle()
         message = self.messages[self._check_turn(turn)]
         old, message.content = message.content, check_text(text)
@@ -299,7 +398,7 @@ class ChatSession:
         finally:
             self.autosave()
 
-    def pin(self, turn, pinned=True):
+    def pin(self, turn: int, pinned: bool = True) -> None:
         """Never evict this message's tokens (they count against the budget); pinned=False
         lets them compete again. Refused with ValueError when the budget has no room."""
         self._check_idle()
@@ -314,10 +413,25 @@ class ChatSession:
             raise
         self.autosave()
 
-    def configure(self, cache=None, system_prompt=..., **sampling_fields):
-        """Change cache settings (replayed through a fresh cache), the system prompt (replayed)
-        or sampling settings (no replay). Everything is checked, and a replay done, before
-        anything changes: a ValueError (out of memory included) leaves the session as it was."""
+    def configure(self, cache: CacheConfig | dict | None = None, system_prompt: str | None = ...,
+                  **sampling_fields) -> None:
+        """Change settings; what is not given stays as it is.
+
+        Parameters
+        ----------
+        cache : CacheConfig, dict or None, default None
+            New cache settings: the chat is replayed through a fresh cache.
+        system_prompt : str or None, optional
+            A new system prompt (None or blank: none): the chat is replayed.
+        **sampling_fields
+            `Sampling` fields to change (no replay). A `seed` given starts its generator afresh.
+
+        Raises
+        ------
+        ValueError
+            Everything is checked, and a replay done, before anything changes: a refusal (out of
+            memory included) leaves the session as it was.
+        """
         self._check_idle()
         new = Settings(cache_config(cache) if cache is not None else self.cache_config,
                        sampling(sampling_fields, base=self.sampling),
@@ -350,8 +464,9 @@ class ChatSession:
         self.turn_stats = []
         self.autosave()
 
-    def stop(self):
-        """Ask a streaming reply to end; safe from another thread. The partial reply is kept."""
+    def stop(self) -> None:
+        """Ask a streaming reply to end; safe from another thread. The reply ends within one token
+        and keeps what it streamed."""
         self._stop.set()
 
     def close(self):

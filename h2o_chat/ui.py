@@ -6,16 +6,36 @@ lays them out and says what each event shows (`Tab`). Errors a user can cause (V
 become a warning toast and change nothing.
 """
 
+from importlib import resources
 from pathlib import Path
 
 import gradio as gr
 
 from . import ui_chat, ui_panel, ui_settings
+from .conversation import cache_config
 from .ui_state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
 
-ASSETS = Path(__file__).resolve().parent / "assets"  # package data: found installed as in a checkout
-CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
-HEAD = f"<script>{(ASSETS / 'app.js').read_text(encoding='utf-8')}</script>"
+# The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
+# installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
+# assets/ and ships only its *.css and *.js), so both places are looked in, the installed one first.
+CHECKOUT_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def read_asset(name):
+    """The text of the app asset `name` (app.css, app.js): the installed package's copy, else the
+    checkout's. FileNotFoundError names both places when neither has it."""
+    installed = resources.files("h2o_chat") / "assets" / name
+    if installed.is_file():
+        return installed.read_text(encoding="utf-8")
+    checkout = CHECKOUT_ASSETS / name
+    if not checkout.is_file():
+        raise FileNotFoundError(f"app asset {name!r} is neither in the installed package ({installed}) nor in "
+                                f"the checkout ({checkout})")
+    return checkout.read_text(encoding="utf-8")
+
+
+CSS = read_asset("app.css")
+HEAD = f"<script>{read_asset('app.js')}</script>"
 
 
 class Tab:
@@ -59,7 +79,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 chat = ui_chat.build()
                 settings = ui_settings.build()
             with gr.Column(scale=2, min_width=320):
-                panel = ui_panel.build(app.n_layers, app.n_heads, cache_defaults.get("policy", "h2o"))
+                panel = ui_panel.build(app.n_layers, app.n_heads, cache_config(dict(cache_defaults)).policy)
         tab = Tab(app, session, conversation_id, chat, settings, panel)
         ui_chat.wire(app, tab, chat, session, conversation_id, state)
         ui_panel.wire(panel, session, state, app.n_layers, app.n_heads)

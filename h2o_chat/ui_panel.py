@@ -12,6 +12,7 @@ import gradio as gr
 import pandas as pd
 
 from . import panel as render
+from .policy import CacheConfig
 from .ui_state import pinned_turns, warn
 
 CHART_COLUMNS = ["tokens seen", "cache", "KV MiB", "slots per head"]
@@ -85,7 +86,7 @@ def _chart(rows, y):
 def view(session, state, live=None):
     """The panel's 7 values for this tab's session and view state."""
     if session is None or not len(session.ledger):
-        policy = session.cache_config.policy if session is not None else "h2o"
+        policy = session.cache_config.policy if session is not None else CacheConfig.policy
         empty = _chart([], "KV MiB")
         waiting = "TTFT … · waiting for the first token" if live else "*Send a message to see what the cache keeps.*"
         return (render.legend_html(policy), "", "", waiting, empty,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from .conversation import Sampling
 from .session import ChatSession
 from .ui_state import number, warn
 
@@ -47,12 +48,15 @@ class Settings:
 
 
 def build():
+    # what the fields show until the page's load fills them from the tab's session: Sampling's defaults
+    defaults = Sampling()
     with gr.Accordion("Generation", open=False):
         system_prompt = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
         with gr.Row():
-            temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)", elem_id="temperature")
-            top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p", elem_id="top-p")
-            max_new = gr.Number(value=256, precision=0, label="Max new tokens", elem_id="max-new")
+            temperature = gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)",
+                                    elem_id="temperature")
+            top_p = gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p", elem_id="top-p")
+            max_new = gr.Number(value=defaults.max_new_tokens, precision=0, label="Max new tokens", elem_id="max-new")
         sampling_btn = gr.Button("Apply", elem_id="apply-sampling")
     with gr.Accordion("Cache (changing it replays the chat)", open=False):
         with gr.Row():

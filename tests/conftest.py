@@ -13,6 +13,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from h2o_chat.model import default_model_folder, load_model
 
 
+def pytest_collection_modifyitems(config, items):
+    """The markers (pyproject.toml) say what a test needs. They are written on each test; this only
+    refuses a test that loads the embedded model without saying so, so that neither the fast loop
+    (-m "not slow and not browser") nor -m "not embedded" ever loads it by surprise."""
+    unmarked = [item.nodeid for item in items if "embedded_conversion" in item.fixturenames
+                and not (item.get_closest_marker("embedded") and item.get_closest_marker("slow"))]
+    if unmarked:
+        raise pytest.UsageError("these tests load the embedded model: mark them embedded and slow: "
+                                + ", ".join(unmarked))
+
+
 def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, vocab_size=128, kv_heads=2,
                     **overrides):
     """kv_heads=1 gives the single-KV-head (MQA) variant."""

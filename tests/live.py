@@ -10,6 +10,13 @@ from h2o_chat.batch import Batcher
 from h2o_chat.ui import CSS, HEAD, build
 from tests.conftest import make_tiny_chat
 
+CALL_DEADLINE_S = 60  # a route of the tiny-model app answers in well under a second
+
+
+def call(client, *args, api_name, seconds=CALL_DEADLINE_S):
+    """`client.predict` with a deadline: a route that hangs fails the test instead of the whole run."""
+    return client.submit(*args, api_name=api_name).result(timeout=seconds)
+
 
 def free_port():
     with socket.socket() as s:

@@ -3,11 +3,16 @@
 
 import json
 import threading
+import time
 
 import pytest
 from gradio_client import Client
 
-from tests.live import deadline, live_app, shown, text_of
+from h2o_chat import store
+from tests.conftest import make_tiny_chat
+from tests.live import CALL_DEADLINE_S, call, deadline, live_app, never_ending, shown, text_of
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +22,14 @@ def app_url(tmp_path_factory):
 
 
 def send(client, text):
-    return shown(client.predict(text, api_name="/send"))
+    return shown(call(client, text, api_name="/send"))
 
 
 def test_a_message_streams_back_with_the_panel(app_url):
     client = Client(app_url, verbose=False)
     job = client.submit("Hello there", api_name="/send")
-    updates = list(job)
-    out = shown(job.result())
+    out = shown(job.result(timeout=CALL_DEADLINE_S))
+    updates = job.outputs()
     assert [m["role"] for m in out["chat"]] == ["user", "assistant"] and text_of(out["chat"][0]) == "Hello there"
     assert len(updates) > 2  # streamed, not one final answer
     assert out["box"] == "" and 'class="tok st-' in out["token_map"] and "tokens seen" in out["stats"]
@@ -32,25 +37,30 @@ def test_a_message_streams_back_with_the_panel(app_url):
     assert out["conversation_id"] and any(value == out["conversation_id"] for _, value in out["saved"]["choices"])
 
 
-def test_stop_ends_the_reply_and_keeps_it(app_url):
-    client = Client(app_url, verbose=False)
-    send(client, "Hi")
-    job = client.submit("Tell me a very long story", api_name="/send")
-    for _ in deadline(30):
-        if len(job.outputs()) >= 3:
-            break
-    client.predict(api_name="/stop")
-    for _ in deadline(5):
-        if job.done():
-            break
-    chat = shown(job.result())["chat"]
-    assert chat[-1]["role"] == "assistant" and len(chat) == 4
+def test_stop_ends_the_reply_and_keeps_it(tmp_path):
+    # a model that never ends a reply by itself: only Stop can end this one before its 2000 tokens
+    model, tokenizer = never_ending(*make_tiny_chat())
+    with live_app(tmp_path, model, tokenizer, max_new_tokens=2000) as (url, _):
+        client = Client(url, verbose=False)
+        job = client.submit("Tell me a very long story", api_name="/send")
+        for _ in deadline(30):
+            if len(job.outputs()) >= 3:
+                break
+        call(client, api_name="/stop")
+        for _ in deadline(10):
+            if job.done():
+                break
+        out = shown(job.result(timeout=CALL_DEADLINE_S))
+    reply = text_of(out["chat"][-1])
+    assert [m["role"] for m in out["chat"]] == ["user", "assistant"]
+    assert 0 < len(reply) < 2000  # stopped: the tiny tokenizer's tokens are one character each
+    assert store.load(tmp_path, out["conversation_id"])["messages"][-1]["content"] == reply  # and kept
 
 
 def test_while_a_reply_streams_the_stats_show_its_own_timing(app_url):
     client = Client(app_url, verbose=False)
     job = client.submit("Tell me a very long story", api_name="/send")
-    list(job)
+    job.result(timeout=CALL_DEADLINE_S)
     stats = [shown(o)["stats"] for o in job.outputs() if isinstance(shown(o)["stats"], str) and shown(o)["stats"]]
     assert "waiting for the first token" in stats[0]  # not the 0.00 s of a turn that has not started
     assert "TTFT 0.00 s · 0.0 tokens/s" not in "".join(stats)
@@ -64,11 +74,13 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
         for text in (f"I am {name}.", f"Remember {name}?"):
             results[name] = send(client, text)
 
-    threads = [threading.Thread(target=talk, args=(n,)) for n in ("alice", "bob")]
+    threads = [threading.Thread(target=talk, args=(n,), daemon=True) for n in ("alice", "bob")]
     for t in threads:
         t.start()
+    end = time.monotonic() + 120
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=max(0.0, end - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a client's chat never finished"
     for me, other in (("alice", "bob"), ("bob", "alice")):
         chat = results[me]["chat"]
         assert [text_of(m) for m in chat if m["role"] == "user"] == [f"I am {me}.", f"Remember {me}?"]
@@ -78,12 +90,12 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
 def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     client = Client(app_url, verbose=False)
     send(client, "Hello there")
-    out = shown(client.predict("sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    out = shown(call(client, "sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache"))
     assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Hello there"]  # the chat survives
     assert "**24** slots per head" in out["stats"] and (out["policy"], out["budget"], out["n_recent"]) == ("sink", 24, 8)
     assert "H2O keeps" not in out["legend"] and "StreamingLLM" in out["legend"]  # the text fits the policy
     assert len(out["memory"]["value"]["data"]) == 4  # the chart starts again: the origin and now, two series
-    bad = shown(client.predict("h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    bad = shown(call(client, "h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache"))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
     assert (bad["policy"], bad["budget"]) == ("sink", 24)  # ... and the fields show what the chat uses
 
@@ -94,8 +106,8 @@ def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(app_url):
     for _ in deadline(30):
         if len(job.outputs()) >= 3:
             break
-    client.predict("1", "0", api_name="/select")  # the tab's pickers change mid-reply
-    out = shown(job.result())
+    call(client, "1", "0", api_name="/select")  # the tab's pickers change mid-reply
+    out = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "Layer 1, KV head 0: exactly the tokens this head keeps" in out["token_map"]
     assert "In layer 1, head 0:" in out["stats"]
 
@@ -103,7 +115,7 @@ def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(app_url):
 def test_a_layer_with_all_heads_is_its_own_view(app_url):
     client = Client(app_url, verbose=False)
     send(client, "Tell me a story about a lighthouse keeper")
-    legend, token_map, rmap, stats, *_ = client.predict("1", "all", api_name="/select")
+    legend, token_map, rmap, stats, *_ = call(client, "1", "all", api_name="/select")
     assert "Layer 1, all" in token_map and "In layer 1:" in stats
     assert 'class="rmap-mark"' in rmap  # the retention map marks the chosen layer
 
@@ -122,35 +134,35 @@ def test_every_chat_action_through_the_app(app_url):
     out = send(client, "Once upon a time")
     first_reply = text_of(out["chat"][1])
 
-    chat = shown(client.predict(api_name="/continue"))["chat"]
+    chat = shown(call(client, api_name="/continue"))["chat"]
     assert len(chat) == 2 and text_of(chat[1]).startswith(first_reply)  # the same reply, longer or equal
 
-    chat = shown(client.predict(api_name="/regenerate"))["chat"]
+    chat = shown(call(client, api_name="/regenerate"))["chat"]
     assert [m["role"] for m in chat] == ["user", "assistant"] and text_of(chat[0]) == "Once upon a time"
 
-    chat = shown(client.predict(0, "Twice upon a time", api_name="/edit"))["chat"]
+    chat = shown(call(client, 0, "Twice upon a time", api_name="/edit"))["chat"]
     assert text_of(chat[0]) == "Twice upon a time"
 
-    view = shown(client.predict(0, True, api_name="/pin"))
+    view = shown(call(client, 0, True, api_name="/pin"))
     assert "st-pinned" in view["token_map"] and "pinned (never evicted): message 1" in view["stats"]
-    view = shown(client.predict(0, False, api_name="/pin"))
+    view = shown(call(client, 0, False, api_name="/pin"))
     assert "st-pinned" not in view["token_map"]
 
-    out = shown(client.predict("You are terse.", 0, 0.9, 64, api_name="/sampling"))
+    out = shown(call(client, "You are terse.", 0, 0.9, 64, api_name="/sampling"))
     assert (out["system_prompt"], out["temperature"], out["max_new_tokens"]) == ("You are terse.", 0, 64)
     chat = send(client, "And then?")["chat"]
     assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time", "And then?"]
 
-    markdown, record = client.predict(api_name="/export")
+    markdown, record = call(client, api_name="/export")
     assert "And then?" in open(markdown, encoding="utf-8").read()
     conversation_id = json.loads(open(record, encoding="utf-8").read())["id"]
 
-    chat = shown(client.predict(api_name="/undo"))["chat"]
+    chat = shown(call(client, api_name="/undo"))["chat"]
     assert [text_of(m) for m in chat if m["role"] == "user"] == ["Twice upon a time"]
-    fresh = shown(client.predict(api_name="/new_chat"))
+    fresh = shown(call(client, api_name="/new_chat"))
     assert fresh["chat"] == [] and fresh["system_prompt"] == "" and fresh["max_new_tokens"] == 256  # the defaults
 
-    out = shown(client.predict(conversation_id, api_name="/restore"))
+    out = shown(call(client, conversation_id, api_name="/restore"))
     assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Twice upon a time"]  # as saved after undo
     assert (out["system_prompt"], out["temperature"], out["max_new_tokens"]) == ("You are terse.", 0, 64)
 

@@ -128,6 +128,7 @@ def session_maker(model, tokenizer, caches, max_new_tokens=40, **kwargs):
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("budget", [24, 64], ids=["full-from-the-start", "fills-inside-the-batch"])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p['policy']}-{p.get('score', 'sum')}")
+@pytest.mark.slow
 def test_conversations_decoded_together_reply_as_each_alone(policy, budget, kv_heads):
     model, tokenizer = tiny(kv_heads)
     make = session_maker(model, tokenizer, [dict(policy, budget=budget)])
@@ -264,6 +265,8 @@ def test_a_failed_step_fails_its_replies_and_the_conversations_go_on(monkeypatch
         assert len(s.ledger) == s.cache.get_seq_length()
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_model_decodes_the_same_in_a_batch(embedded_model):
     """fp32 on the real model: the batched matmuls round differently, yet greedy text agrees."""
     model, tokenizer = embedded_model

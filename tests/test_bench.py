@@ -8,6 +8,8 @@ import pytest
 from h2o_chat import bench, evaluate
 from tests.conftest import read_results
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def test_bench_decode(tiny_model_dir, play_text, tmp_path):
     bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
@@ -40,6 +42,7 @@ def test_bench_batch_without_cuda_says_so(tmp_path, capsys, monkeypatch):
     assert json.loads((tmp_path / "batch.json").read_text())["meta"]["skipped"] == "no CUDA GPU"
 
 
+@pytest.mark.slow
 def test_bench_prefill(tiny_model_dir, play_text, tmp_path):
     bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
                 "prefill", "--tokens", "200", "--budget", "16"])
@@ -48,6 +51,7 @@ def test_bench_prefill(tiny_model_dir, play_text, tmp_path):
     assert all(r["peak_MiB"] >= 0 and r["seconds"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
                    "--tokens", "120", "--budget", "24", "--chunk", "8", "--long-tokens", "0"])
@@ -161,6 +165,9 @@ def test_count_ops_sees_every_kind_of_host_sync():
 
 
 @pytest.mark.skipif(bench.llamacpp_worker.find_python() is None, reason="no llama.cpp venv (xllamacpp)")
+@pytest.mark.embedded
+@pytest.mark.live
+@pytest.mark.slow
 def test_llamacpp_server_starts_answers_with_timings_and_refuses_past_its_context(tmp_path):
     from h2o_chat.llamacpp_worker import LlamaCppError, find_python, start_server
     from h2o_chat.model import embedded_gguf_path

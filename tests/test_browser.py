@@ -13,7 +13,8 @@ from tests.live import free_port, live_app, never_ending
 
 CHROMIUM = shutil.which("chromium")
 playwright = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)"),
+              pytest.mark.browser, pytest.mark.live, pytest.mark.slow]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="mean", positions="rolling")
@@ -224,14 +225,20 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.get_by_text("Generation").first.click()
     # the page's load fills every field from its conversation: typing before that would be overwritten
     page.wait_for_function("() => document.querySelector('#max-new input')?.value === '5000'", timeout=WAIT_MS)
+    send(page, "Restore me with my settings")
+    stop_and_settle(page)
+    # each Apply's answer fills every field from the conversation, so the next fields are typed only
+    # once it has landed (it shows: the chat is replayed, and the stats change with it)
     page.locator("#budget input").fill("40")
     page.click("#apply-cache")
+    page.wait_for_function("() => document.querySelector('#stats').innerText.includes('40 slots per head')",
+                           timeout=WAIT_MS)  # the cache the chat now runs on
+    stats_before = page.inner_text("#stats")
     page.locator("#max-new input").fill("500")
     page.locator("#system-prompt textarea").fill("You are a lighthouse keeper.")
     page.click("#apply-sampling")
-    send(page, "Restore me with my settings")
-    stop_and_settle(page)
-    assert "40 slots per head" in page.inner_text("#stats")  # the reply ran on the applied cache
+    page.wait_for_function("(before) => document.querySelector('#stats').innerText !== before", arg=stats_before,
+                           timeout=WAIT_MS)  # a new system prompt replays the chat: more tokens seen
 
     page.click("#new-chat")
     page.wait_for_function("() => document.querySelectorAll('#chat .user-row').length === 0", timeout=WAIT_MS)

@@ -14,6 +14,8 @@ from tests import reference
 from tests.conftest import make_tiny_llama
 from tests.reference import ReferenceH2O
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 POLICIES = ["full", "window", "sink", "h2o"]
 POSITIONS = ["absolute", "rolling"]
 # every policy once, and h2o with each score mode
@@ -58,6 +60,7 @@ MQA_CASES = [(policy, "sum", positions, batch) for policy in ("h2o", "sink") for
 
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("policy,score", POLICY_SCORES)
+@pytest.mark.slow
 def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score, positions):
     check_against_reference(tiny_llama64, policy, score, positions, batch=2)
 
@@ -125,6 +128,7 @@ def test_pins_that_leave_no_room_are_refused(tiny_llama):
     cache.protect(20, 21)
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_over_1000_tokens(tiny_llama):
     cache = H2OCache(tiny_llama, policy="h2o", budget=64, n_sink=4, n_recent=32, positions="rolling")
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(4))
@@ -326,6 +330,7 @@ def test_eviction_ties_keep_the_newer_token():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_a_full_layer_decodes_without_host_syncs_or_new_buffers(dtype):
     from torch.profiler import ProfilerActivity, profile
 

@@ -7,6 +7,8 @@ import pytest
 
 from h2o_chat.detok import Detokenizer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 STOPS = ["\nUser:", "###", "ab"]
 
 
@@ -40,6 +42,8 @@ def test_tiny_tokenizer_pieces_equal_the_full_decode(tiny_chat):
         assert "".join(pieces) == full_decode(tok, ids) == detok.text
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_tokenizer_pieces_equal_the_full_decode(embedded_model):
     # byte-level BPE: random ids split multi-byte characters across tokens, and special tokens
     # (skipped) fall in between
@@ -81,6 +85,8 @@ def test_a_stop_string_split_over_tokens_is_held_back_then_dropped(tiny_chat):
     assert "".join(shown) == "ok##!"  # it did not: shown as soon as it could not
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_work_per_token_is_bounded(embedded_model):
     # decoding the whole reply at every token is quadratic: count the ids decoded
     _, tok = embedded_model

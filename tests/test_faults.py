@@ -27,7 +27,17 @@ from h2o_chat.conversation import Message
 from h2o_chat.model import load_model
 from h2o_chat.session import GenerationError
 from tests.conftest import make_tiny_chat
-from tests.live import free_port, live_app, never_ending, save_tiny_chat, text_of, texts, warnings_of
+from tests.live import (
+    CALL_DEADLINE_S,
+    call,
+    free_port,
+    live_app,
+    never_ending,
+    save_tiny_chat,
+    text_of,
+    texts,
+    warnings_of,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,6 +78,7 @@ def assert_in_sync(session):
 
 
 @pytest.mark.parametrize("cache", [NO_EVICTION, EVICTING], ids=["no-eviction", "evicting"])
+@pytest.mark.slow
 def test_stop_at_50_random_points(tiny_chat, tmp_path, cache):
     model, tok = tiny_chat
     session = ChatSession(model, tok, cache=cache, temperature=0, max_new_tokens=8, data_dir=tmp_path)
@@ -107,7 +118,8 @@ def test_stop_from_another_thread_at_random_moments(tiny_chat, tmp_path):
         timer = threading.Timer(rng.uniform(0, 0.02), session.stop)
         timer.start()
         streamed = "".join(session.send(f"Turn {i}"))
-        timer.join()
+        timer.join(timeout=10)
+        assert not timer.is_alive(), "stop() from the timer's thread never returned"
         assert session.history[-1]["content"] == streamed
     assert_consistent(session)
 
@@ -251,9 +263,12 @@ def test_close_mid_reply_stops_it_then_frees_the_cache(tiny_chat, tmp_path):
     for piece in session.send("Tell me a story"):
         pieces.append(piece)
         if len(pieces) == 3:
-            threading.Thread(target=session.close).start()  # the tab closes; the reply is mid-step
+            closing = threading.Thread(target=session.close, daemon=True)
+            closing.start()  # the tab closes; the reply is mid-step
             time.sleep(0.05)
             assert session.cache.kv_bytes() > 0  # not under the running reply's feet
+    closing.join(timeout=10)
+    assert not closing.is_alive(), "close() never returned"
     assert len(pieces) == 3 and session.history[-1]["content"] == "".join(pieces)
     assert session.cache.kv_bytes() == 0  # freed as soon as the reply stopped
     "".join(session.send("Go on"))
@@ -307,9 +322,11 @@ def open_heartbeat(url, session_hash):
 
 
 def short_replies(client):
-    client.predict("", 0, 0.9, 16, api_name="/sampling")  # max new tokens: 16
+    call(client, "", 0, 0.9, 16, api_name="/sampling")  # max new tokens: 16
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     url = app["url"]
     tab = Client(url, verbose=False)
@@ -323,7 +340,7 @@ def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     other = Client(url, verbose=False)
     started = time.monotonic()
     short_replies(other)  # queued behind the closed tab's 2000-token reply unless that one stopped
-    assert texts(other.predict("Hi", api_name="/send")[2])[0] == ("user", "Hi")
+    assert texts(call(other, "Hi", api_name="/send")[2])[0] == ("user", "Hi")
     assert time.monotonic() - started < 10
     assert job.done()
     assert session.cache.kv_bytes() == 0 and len(session.ledger) == 0  # its memory is released
@@ -331,11 +348,13 @@ def test_a_tab_closed_mid_reply_stops_its_reply_and_frees_its_cache(app):
     assert 0 < len(reply) < 2000 and store.load(app["data"], session.id)["messages"][-1]["content"] == reply
     # a tab that was only asleep comes back: its chat goes on, replayed into a fresh cache
     short_replies(tab)
-    chat = texts(tab.predict("Still there?", api_name="/send")[2])
+    chat = texts(call(tab, "Still there?", api_name="/send")[2])
     assert chat[:2] == [("user", "Closing tab: tell me a long story"), ("assistant", reply)]
     assert chat[2] == ("user", "Still there?") and session.cache.kv_bytes() > 0
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_a_cancelled_call_stops_the_reply_and_the_app_goes_on(app):
     client = Client(app["url"], verbose=False)
     job = client.submit("Cancelled: tell me a long story", api_name="/send")
@@ -347,20 +366,22 @@ def test_a_cancelled_call_stops_the_reply_and_the_app_goes_on(app):
     time.sleep(0.5)
     assert len(session.history[-1]["content"]) == length < 2000  # it stopped growing
     short_replies(client)
-    chat = texts(client.predict("And now?", api_name="/send")[2])
+    chat = texts(call(client, "And now?", api_name="/send")[2])
     assert [c for c in chat if c[0] == "user"] == [("user", "Cancelled: tell me a long story"), ("user", "And now?")]
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_two_tabs_at_once_each_stop_only_their_own(app):
     # one reply at a time: the second tab's waits in the queue
     a, b = Client(app["url"], verbose=False), Client(app["url"], verbose=False)
     job_a = a.submit("Tab A speaking", api_name="/send")
     streaming(job_a)
     job_b = b.submit("Tab B speaking", api_name="/send")
-    a.predict(api_name="/stop")
+    call(a, api_name="/stop")
     chat_a = job_a.result(timeout=15)[2]
     streaming(job_b)  # A's Stop did not stop B
-    b.predict(api_name="/stop")
+    call(b, api_name="/stop")
     chat_b = job_b.result(timeout=15)[2]
     assert [r for r, _ in texts(chat_a)] == [r for r, _ in texts(chat_b)] == ["user", "assistant"]
     assert text_of(chat_a[0]) == "Tab A speaking" and text_of(chat_b[0]) == "Tab B speaking"
@@ -369,31 +390,35 @@ def test_two_tabs_at_once_each_stop_only_their_own(app):
         assert [(m["role"], m["content"]) for m in saved] == texts(chat)
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_out_of_memory_in_the_app_ends_the_reply_with_a_message(app):
     client = Client(app["url"], verbose=False)
     short_replies(client)
     app["oom"].at_call(5, decode=True)  # five tokens stream, the fifth fails to go into the cache
     job = client.submit("Out of memory soon", api_name="/send")
-    chat = texts(job.result()[2])
+    chat = texts(job.result(timeout=CALL_DEADLINE_S)[2])
     shown = warnings_of(job)
     assert any("out of memory" in w for w in shown), shown
     assert chat[0] == ("user", "Out of memory soon") and chat[1][0] == "assistant" and chat[1][1]
     assert session_of(app, "Out of memory soon").history[-1]["content"] == chat[1][1]  # what it showed, kept
-    chat = texts(client.predict("Next one", api_name="/send")[2])
+    chat = texts(call(client, "Next one", api_name="/send")[2])
     assert chat[2] == ("user", "Next one") and chat[3][0] == "assistant"
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_out_of_memory_reading_a_message_keeps_it_in_the_box(app):
     client = Client(app["url"], verbose=False)
     short_replies(client)
-    before = texts(client.predict("Hello", api_name="/send")[2])
+    before = texts(call(client, "Hello", api_name="/send")[2])
     app["oom"].at_call(1)
     job = client.submit("A message too big for memory", api_name="/send")
-    result = job.result()
+    result = job.result(timeout=CALL_DEADLINE_S)
     shown = warnings_of(job)
     assert any("out of memory" in w for w in shown), shown
     assert result[0] == "A message too big for memory" and texts(result[2]) == before
-    assert texts(client.predict("Smaller", api_name="/send")[2])[2] == ("user", "Smaller")
+    assert texts(call(client, "Smaller", api_name="/send")[2])[2] == ("user", "Smaller")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,6 +438,8 @@ def wait_until_up(url, proc, log, seconds=120):
     raise AssertionError(f"app.py did not start:\n{log.read_text()[-2000:]}")
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
     model_dir = save_tiny_chat(tmp_path / "model", never_ends=True)
     data, log, port = tmp_path / "data", tmp_path / "app.log", free_port()
@@ -425,9 +452,9 @@ def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
         wait_until_up(url, proc, log)
         client = Client(url, verbose=False)
         short_replies(client)
-        client.predict("First turn: a lighthouse.", api_name="/send")
-        finished = texts(client.predict("Second turn: its keeper.", api_name="/send")[2])
-        client.predict("", 0.7, 0.9, 2048, api_name="/sampling")  # a long third reply
+        call(client, "First turn: a lighthouse.", api_name="/send")
+        finished = texts(call(client, "Second turn: its keeper.", api_name="/send")[2])
+        call(client, "", 0.7, 0.9, 2048, api_name="/sampling")  # a long third reply
         job = client.submit("Third turn: the storm.", api_name="/send")
         streaming(job)
         os.kill(proc.pid, signal.SIGKILL)
@@ -436,15 +463,15 @@ def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
     assert len(finished) == 4 and seen[:4] == finished and seen[4] == ("user", "Third turn: the storm.")
 
     # the restarted app (in-process: same code, same data folder; a second app.py start only costs time)
     restarted_model, restarted_tok = load_model(model_dir, device="cpu")
     with live_app(data, restarted_model, restarted_tok, cache=EVICTING) as (new_url, _):
         tab = Client(new_url, verbose=False)
-        (session_id,) = [c[1] for c in tab.predict(api_name="/saved_sessions")["choices"]]
-        chat = texts(tab.predict(session_id, api_name="/restore")[1])
+        (session_id,) = [c[1] for c in call(tab, api_name="/saved_sessions")["choices"]]
+        chat = texts(call(tab, session_id, api_name="/restore")[1])
         assert chat[:4] == finished  # every finished turn, word for word
         assert chat[4] == ("user", "Third turn: the storm.")  # and the message that was being answered
         if len(chat) > 5:  # a partial reply saved while it streamed: a prefix of the same reply
@@ -452,7 +479,7 @@ def test_sigkill_mid_reply_then_restart_restores_every_finished_turn(tmp_path):
             assert partial.startswith(shown) or shown.startswith(partial)
         short_replies(tab)
         action = "/continue" if len(chat) > 5 else "/regenerate"  # finish the interrupted reply
-        chat = texts(tab.predict(api_name=action)[1])
+        chat = texts(call(tab, api_name=action)[1])
         assert chat[:4] == finished and chat[4] == ("user", "Third turn: the storm.") and chat[5][0] == "assistant"
-        chat = texts(tab.predict("Fourth turn.", api_name="/send")[2])
+        chat = texts(call(tab, "Fourth turn.", api_name="/send")[2])
         assert chat[:4] == finished and chat[6] == ("user", "Fourth turn.") and chat[7][0] == "assistant"

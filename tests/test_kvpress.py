@@ -12,6 +12,8 @@ from h2o_chat import bench, evaluate, kvpress_worker
 from h2o_chat.model import load_model
 from tests.conftest import read_results
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 KVPRESS_PYTHON = kvpress_worker.find_python()
 needs_kvpress = pytest.mark.skipif(KVPRESS_PYTHON is None,
                                    reason=f"no kvpress venv: set {kvpress_worker.ENV_VAR} to its python")
@@ -98,6 +100,7 @@ def test_kvpress_arm_skips_models_not_loaded_from_a_folder(tiny_chat, capsys, mo
 
 
 @needs_kvpress
+@pytest.mark.slow
 def test_worker_sees_the_same_inputs(tiny_model_dir, play_text):
     """Uncompressed, the worker's NLL is ours; compressed in one shot by the same rule (4 sinks
     + the newest tokens), StreamingLLMPress keeps the same tokens as our sink cache, so the NLLs
@@ -123,6 +126,7 @@ def test_worker_sees_the_same_inputs(tiny_model_dir, play_text):
 
 
 @needs_kvpress
+@pytest.mark.slow
 def test_evaluate_compress_with_kvpress(tiny_model_dir, play_text, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "compress", "--quick", "--text", str(play_text),
                    "--methods", "h2o-sum", "--kvpress-python", KVPRESS_PYTHON])
@@ -134,6 +138,7 @@ def test_evaluate_compress_with_kvpress(tiny_model_dir, play_text, tmp_path):
 
 
 @needs_kvpress
+@pytest.mark.slow
 def test_bench_dialogue_with_kvpress(tiny_chat, tmp_path):
     model, tokenizer = tiny_chat
     folder = tmp_path / "tiny-chat"  # the worker loads the model from disk

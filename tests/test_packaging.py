@@ -1,9 +1,19 @@
-"""pyproject.toml and requirements.txt declare the same dependencies: requirements.txt is the
-README's and CI's install path, pyproject.toml what `pip install .` reads; neither may drift."""
+"""Packaging. pyproject.toml and requirements.txt declare the same dependencies: requirements.txt
+is the README's and CI's install path, pyproject.toml what `pip install .` reads; neither may drift.
+The app's CSS and script live in the checkout's assets/ and an installed package carries them as
+h2o_chat/assets/: the app finds them either way. (No test pip-installs anything: the installed
+layout is the wheel setuptools builds, unpacked.)"""
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +50,62 @@ def test_console_scripts_name_functions_that_exist():
         assert callable(getattr(importlib.import_module(module), function)), target
 
 
-def test_the_app_assets_ship_inside_the_package():
+def test_the_app_reads_its_css_and_script_from_the_checkouts_assets_folder():
     from h2o_chat import ui
 
-    assert ui.ASSETS.parent == REPO / "h2o_chat" and (ui.ASSETS / "app.css").is_file()
+    assert ui.CHECKOUT_ASSETS == REPO / "assets"
+    assert ui.CSS == (REPO / "assets" / "app.css").read_text(encoding="utf-8")
+    assert ui.HEAD == f"<script>{(REPO / 'assets' / 'app.js').read_text(encoding='utf-8')}</script>"
+    assert not list((REPO / "h2o_chat").glob("assets/*"))  # one copy, where the project's layout puts it
+
+
+def test_a_missing_asset_names_both_places_it_was_looked_for():
+    from h2o_chat import ui
+
+    with pytest.raises(FileNotFoundError, match=r"'nope.css' is neither in the installed package .* nor in the "
+                                                 r"checkout"):
+        ui.read_asset("nope.css")
+
+
+def test_the_package_ships_the_assets_folder_as_h2o_chat_assets_css_and_js_only():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "h2o_chat.assets" in setuptools["packages"]
+    assert setuptools["package-dir"] == {"h2o_chat.assets": "assets"}
+    assert setuptools["package-data"] == {"h2o_chat.assets": ["*.css", "*.js"]}
+
+
+def built_wheel(tmp_path):
+    """The wheel `pip install .` would install, built by setuptools from a copy of the checkout's
+    packaged files (so no build/ or egg-info is left in the checkout); its path."""
+    source = tmp_path / "source"
+    for name in ("h2o_chat", "assets"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    out = tmp_path / "dist"
+    subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_wheel({str(out)!r})"],
+                   cwd=source, check=True, capture_output=True, timeout=300)
+    (wheel,) = out.glob("h2o_chat-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_an_installed_package_finds_its_css_and_script(tmp_path):
+    wheel = built_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        archive.extractall(tmp_path / "site")
+    assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js"} <= set(names)
+    assert not [n for n in names if n.endswith(".png") or n.startswith("assets/")]  # the README's, not the app's
+    # the unpacked wheel, first on the path, is what an installed h2o-chat imports, run from elsewhere
+    probe = ("import h2o_chat, h2o_chat.ui as ui; print(h2o_chat.__file__); "
+             "print(len(ui.read_asset('app.css')), len(ui.read_asset('app.js')))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    location, sizes = run.stdout.splitlines()[-2:]
+    assert location == str(tmp_path / "site" / "h2o_chat" / "__init__.py")
+    css, js = (REPO / "assets" / "app.css").read_text(encoding="utf-8"), (REPO / "assets" / "app.js").read_text(
+        encoding="utf-8")
+    assert sizes == f"{len(css)} {len(js)}"

@@ -8,6 +8,8 @@ import pytest
 from h2o_chat import ChatSession, panel
 from tests.conftest import make_tiny_chat
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TURNS = ["Hello <b>there</b>!", "Tell me a story about a lighthouse.", "Make it shorter.", "Who is the hero?"]
 
 

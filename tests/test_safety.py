@@ -22,7 +22,7 @@ import h2o_chat.model as model_mod
 from h2o_chat import ChatSession, store
 from h2o_chat.model import ModelLoadError, load_model
 from tests.conftest import make_tiny_chat
-from tests.live import free_port, live_app, save_tiny_chat, texts
+from tests.live import call, free_port, live_app, save_tiny_chat, texts
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -78,6 +78,8 @@ def listening_addresses(port):
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket table")
+@pytest.mark.live
+@pytest.mark.slow
 def test_the_app_listens_on_localhost_only_with_no_share_link(launched, tmp_path, monkeypatch):
     # environment variables that would otherwise widen what Gradio exposes
     monkeypatch.setenv("GRADIO_SERVER_NAME", "0.0.0.0")
@@ -154,6 +156,8 @@ def guarded(tmp_path_factory):
     ("GET", "/gradio_api/queue/data?session_hash=x"),
     ("GET", "/gradio_api/file=/etc/passwd"),
 ])
+@pytest.mark.live
+@pytest.mark.slow
 def test_auth_guards_the_api(guarded, method, path):
     body = {"data": ["hi", "all", "all"], "fn_index": 0, "session_hash": "x"} if method == "POST" else None
     response = httpx.request(method, guarded + path, json=body)
@@ -161,6 +165,8 @@ def test_auth_guards_the_api(guarded, method, path):
     assert SECRET not in response.text and "secret-session" not in response.text
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_auth_shows_a_login_page_and_no_data(guarded):
     # (Gradio's login page does carry the API's schema: parameter names and defaults, no user data)
     page = httpx.get(guarded + "/").text
@@ -170,6 +176,8 @@ def test_auth_shows_a_login_page_and_no_data(guarded):
 
 @pytest.mark.parametrize("auth", [None, ("alice", "wrong"), ("mallory", "s3cret")],
                          ids=["none", "wrong-password", "wrong-user"])
+@pytest.mark.live
+@pytest.mark.slow
 def test_auth_refuses_clients_without_the_login(guarded, auth):
     with pytest.raises(Exception, match="credentials were not provided|Could not login"):
         Client(guarded + "/", auth=auth, verbose=False)
@@ -178,10 +186,12 @@ def test_auth_refuses_clients_without_the_login(guarded, auth):
     assert login.status_code in (400, 422) and not login.cookies
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_auth_lets_the_login_in(guarded):
     client = Client(guarded + "/", auth=("alice", "s3cret"), verbose=False)
-    assert texts(client.predict("hi", api_name="/send")[2])[0] == ("user", "hi")
-    assert "secret-session" in str(client.predict(api_name="/saved_sessions"))
+    assert texts(call(client, "hi", api_name="/send")[2])[0] == ("user", "hi")
+    assert "secret-session" in str(call(client, api_name="/saved_sessions"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,16 +238,18 @@ def test_only_well_named_session_files_are_listed(tmp_path):
     assert store.list_ids(tmp_path) == ["good-1"]
 
 
+@pytest.mark.live
+@pytest.mark.slow
 def test_the_app_restores_only_listed_sessions(tmp_path):
     from gradio_client.exceptions import AppError
 
     (tmp_path / "outside.json").write_text(json.dumps({"version": 1, "messages": [{"role": "user", "content": "x"}]}))
     with live_app(tmp_path / "data") as (url, _):
         client = Client(url, verbose=False)
-        client.predict(api_name="/saved_sessions")
+        call(client, api_name="/saved_sessions")
         for session_id in ("../outside", "/etc/passwd", "..\\outside"):
             with pytest.raises(AppError, match="not in the list of choices"):
-                client.predict(session_id, api_name="/restore")
+                call(client, session_id, api_name="/restore")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ import torch
 from h2o_chat.conversation import Sampling
 from h2o_chat.sampler import Sampler
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 50
 STOP = {7, 11}
 

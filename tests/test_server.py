@@ -1,7 +1,13 @@
-"""The app's command line lives in h2o_chat.server; app.py is the checkout's shim onto it."""
+"""The app's command line lives in h2o_chat.server; app.py is the checkout's shim onto it. Its
+defaults, and the UI's, are the ones the library declares (CacheConfig, Sampling, create_router)."""
+
+import inspect
+
+import gradio as gr
 
 import app as app_main
-from h2o_chat import server
+from h2o_chat import Sampling, server, ui_settings
+from h2o_chat.api import create_router
 from h2o_chat.policy import CacheConfig
 
 
@@ -13,3 +19,17 @@ def test_cache_flag_defaults_are_the_dataclass_defaults():
     args, config = server.parse_args([]), CacheConfig()
     for name in ("policy", "budget", "n_sink", "n_recent", "score", "positions"):
         assert getattr(args, name) == getattr(config, name), name
+
+
+def test_the_api_memory_flag_defaults_to_the_api_s_own_default():
+    default = inspect.signature(create_router).parameters["max_kv_mib"].default
+    assert server.parse_args([]).api_kv_mib == default
+
+
+def test_the_generation_fields_start_at_the_sampling_defaults():
+    # until the page's load fills them from the tab's session; no second set of defaults in the UI
+    with gr.Blocks():
+        fields = ui_settings.build()
+    defaults = Sampling()
+    assert (fields.temperature.value, fields.top_p.value, fields.max_new.value) == (
+        defaults.temperature, defaults.top_p, defaults.max_new_tokens)

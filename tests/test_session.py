@@ -15,7 +15,9 @@ from transformers import DynamicCache
 from h2o_chat import ChatSession, Settings, store
 from h2o_chat import timeline as timeline_mod
 from h2o_chat.ledger import Ledger
-from tests.live import never_ending
+from tests.live import deadline, never_ending
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 USER_TURNS = ["Hello there!", "Tell me a story about a lighthouse.", "Make it shorter.", "Who is the hero?", "Thanks."]
 NO_EVICTION = dict(policy="h2o", budget=4096, n_sink=4, n_recent=64)
@@ -53,6 +55,8 @@ def test_nothing_evicted_equals_reprefilling_the_history(tiny_chat):
     assert replies == expected
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_model_nothing_evicted_equals_reprefilling(embedded_model):
     model, tok = embedded_model
     turns = USER_TURNS[:5]
@@ -116,17 +120,21 @@ def test_stop_at_a_random_point_then_continue_equals_a_replay(tiny_chat, tmp_pat
 
 
 def test_stop_from_another_thread(tiny_chat):
-    model, tok = tiny_chat
+    # as in the app: the reply streams in one thread, Stop comes from another while it runs
+    model, tok = never_ending(*tiny_chat)  # unstopped, the reply would run all 200 tokens
     session = ChatSession(model, tok, temperature=0, max_new_tokens=200)
-    pieces, stopped_at = [], []
-    for piece in session.send(USER_TURNS[1]):
-        pieces.append(piece)
-        if len(pieces) == 3:
-            t = threading.Thread(target=session.stop)
-            t.start()
-            t.join()
-            stopped_at.append(len(pieces))
-    assert stopped_at and len(pieces) <= stopped_at[0] + 1
+    pieces = []
+    streaming = threading.Thread(target=lambda: pieces.extend(session.send(USER_TURNS[1])), daemon=True)
+    streaming.start()
+    for _ in deadline(30):
+        if len(pieces) >= 3:
+            break
+    streamed_before_stop = len(pieces)
+    session.stop()
+    streaming.join(timeout=30)
+    assert not streaming.is_alive(), "the reply did not end after stop()"
+    assert streamed_before_stop <= len(pieces) <= streamed_before_stop + 1  # it ends within one token
+    assert session.history[-1] == {"role": "assistant", "content": "".join(pieces)} and not session.busy
 
 
 def test_undo_then_regenerate_gives_the_same_greedy_reply(tiny_chat):
@@ -134,6 +142,7 @@ def test_undo_then_regenerate_gives_the_same_greedy_reply(tiny_chat):
     session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12),
                           temperature=0, max_new_tokens=10)
     chat(session, USER_TURNS[:2])
+    two_exchanges = (session.history, session._fed, [session.cache.token_ids(i).clone() for i in range(2)])
     first = "".join(session.send(USER_TURNS[2]))
     ids_before = [session.cache.token_ids(i).clone() for i in range(2)]
     again = "".join(session.regenerate())
@@ -141,8 +150,12 @@ def test_undo_then_regenerate_gives_the_same_greedy_reply(tiny_chat):
     for i in range(2):
         assert torch.equal(session.cache.token_ids(i), ids_before[i])
     session.undo()
-    assert [m["content"] for m in session.history] == [m["content"] for m in session.history[:4]]
-    assert len(session.history) == 4
+    # the transcript, the tokens fed and the cache are exactly what they were before the third exchange
+    history, fed, kept = two_exchanges
+    assert session.history == history and len(history) == 4
+    assert session._fed == fed
+    for i in range(2):
+        assert torch.equal(session.cache.token_ids(i), kept[i])
     assert "".join(session.send(USER_TURNS[2])) == first
 
 
@@ -273,6 +286,7 @@ def test_ledger_retention_while_the_cache_is_ahead(tiny_chat):
 
 
 @pytest.mark.parametrize("score", ["sum", "mean"])
+@pytest.mark.slow
 def test_ledger_retention_read_from_another_thread_while_streaming(tiny_chat, score):
     # the app's panel reads the cache from a request thread while the reply is being fed on
     # another; a read that caught a layer between two slot counts used to raise
@@ -291,13 +305,14 @@ def test_ledger_retention_read_from_another_thread_while_streaming(tiny_chat, sc
                 errors.append(repr(e))
                 return
 
-    reader = threading.Thread(target=panel_reader)
+    reader = threading.Thread(target=panel_reader, daemon=True)
     reader.start()
     try:
         chat(session, USER_TURNS * 2)
     finally:
         done.set()
-        reader.join()
+        reader.join(timeout=30)
+    assert not reader.is_alive(), "a read of the panel never returned"
     assert errors == [] and reads[0] > 10
 
 
@@ -323,6 +338,8 @@ def assert_pin_whole(session, n_tokens):
             assert not missing, f"layer {layer} head {head} lost {len(missing)} of {end - start} pinned tokens"
 
 
+@pytest.mark.embedded
+@pytest.mark.slow
 def test_a_pin_survives_every_replay_on_the_embedded_model(embedded_model, tmp_path):
     # the budget leaves about 15 slots for heavy hitters next to the pin (the sheet and its template
     # head): without its protection from the first token fed, it would lose most of them in a replay

@@ -3,6 +3,7 @@ saved-conversations list, and format 1 files."""
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -44,23 +45,28 @@ def test_a_new_conversation_never_replaces_a_file_with_its_id(tmp_path):
 def test_concurrent_writers_of_one_revision_exactly_one_wins(tmp_path):
     base = saved(tmp_path)
     copies = [store.read(tmp_path, base.id) for _ in range(8)]
-    results, barrier = [], threading.Barrier(len(copies))
+    outcomes, barrier = {}, threading.Barrier(len(copies))
 
     def write(i, copy):
         copy.messages.append(Message("assistant", f"writer {i}"))
-        barrier.wait()
+        barrier.wait(timeout=30)
         try:
             store.write(tmp_path, copy)
-            results.append(i)
+            outcomes[i] = "saved"
         except store.StaleRevisionError:
-            pass
+            outcomes[i] = "stale"  # told, so its session can save a fork
+        except Exception as e:  # noqa: BLE001 - any other ending is the bug
+            outcomes[i] = repr(e)
 
-    threads = [threading.Thread(target=write, args=(i, c)) for i, c in enumerate(copies)]
+    threads = [threading.Thread(target=write, args=(i, c), daemon=True) for i, c in enumerate(copies)]
     for t in threads:
         t.start()
+    end = time.monotonic() + 30
     for t in threads:
-        t.join(timeout=30)
-    (winner,) = results
+        t.join(timeout=max(0.0, end - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a writer never finished"
+    assert sorted(outcomes.values()) == ["saved"] + ["stale"] * 7, outcomes
+    (winner,) = [i for i, outcome in outcomes.items() if outcome == "saved"]
     assert store.read(tmp_path, base.id).messages[-1].content == f"writer {winner}"
 
 
