@@ -346,19 +346,41 @@ def attend_and_replace(s, kv, meta, query, config, rows=None):
 
 
 class H2OCache(Cache):
-    """A KV cache that evicts by the Heavy-Hitter Oracle (or window / sink / full), for LLaMA-family
-    models in transformers. Constructing it switches the model's attention to "h2o" (which is
-    plain sdpa for any other cache), so that scores are captured; nothing else is needed:
+    """A transformers KV cache that keeps a fixed number of slots per layer and KV head, evicting by
+    the Heavy-Hitter Oracle (or window / sink / full), for LLaMA-family models.
+
+    Constructing it switches the model's attention to "h2o" (plain sdpa for any other cache), so
+    that each layer hands it the attention mass per KV head; nothing else is needed::
 
         cache = H2OCache(model, policy="h2o", budget=256, n_sink=4, n_recent=128)
         out = model.generate(input_ids, cache=cache, max_new_tokens=200)
 
-    See `CacheConfig` for the arguments. Batch rows must not be padded.
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A LLaMA-family model (model types llama, mistral, qwen2) without sliding-window layers.
+    config : CacheConfig, optional
+        The settings; or give CacheConfig's fields as keywords (policy, budget, n_sink, n_recent,
+        score, decay, positions, prefill_chunk). Bad settings raise ValueError before any work.
+
+    Notes
+    -----
+    Per layer `i`, for input ids `[batch, seq]` (batch rows must not be padded):
+
+    - `layers[i].keys`, `layers[i].values`: `[batch, kv_heads, slots, head_dim]`, `slots <= budget`
+    - `token_ids(i)`: `[batch, kv_heads, slots]` long, the absolute index of the token in each slot
+    - `scores(i)`: `[batch, kv_heads, slots]`, each slot's heavy-hitter score
+    - `positions(i)`: `[batch, kv_heads, slots]` long, the RoPE position each key is rotated to
+    - `attend(i, query, scaling)`: query `[batch, q_heads, n, head_dim]` ->
+      `[batch, n, q_heads, head_dim]`
+
+    `protect(start, end)` / `set_pins(ranges)` never evict absolute tokens `[start, end)` (they
+    count against the budget); `snapshot()` / `restore(snapshot)` go back to a saved state;
+    `kv_bytes()` and `full_kv_bytes()` compare the memory held with a cache that never evicts.
     """
 
-    def __init__(self, model, policy="h2o", budget=512, n_sink=4, n_recent=None, score="sum", decay=0.9,
-                 positions="rolling", prefill_chunk=256, config: CacheConfig | None = None):
-        self.config = config or CacheConfig(policy, budget, n_sink, n_recent, score, decay, positions, prefill_chunk)
+    def __init__(self, model, config: CacheConfig | None = None, **settings):
+        self.config = config if config is not None else CacheConfig(**settings)  # CacheConfig owns the defaults
         text_config = model.config.get_text_config(decoder=True)
         check_model(text_config, self.config)
         self.pins: list[tuple[int, int]] = []

@@ -141,11 +141,14 @@ def test_bench_ops_counts_ops_and_the_one_streaming_sync(tiny_model_dir, play_te
     bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
                 "ops", "--seen", "40", "--steps", "3", "--budget", "16", "--dtype", "fp32"])
     rows = {r["method"]: r for r in read_results(tmp_path, "ops", plot=False)["rows"]}
-    assert set(rows) == {"dynamic", "h2o", "full"}
+    assert set(rows) == {"dynamic", "h2o", "full", "h2o+lean", "full+lean"}
     assert all(r["ops_per_token"] > 50 for r in rows.values())
     # the decode step's one .item() (the token streamed) and nothing from the cache, evicting or not
-    assert rows["h2o"]["syncs_per_token"] == rows["dynamic"]["syncs_per_token"] == 1.0
+    assert {r["syncs_per_token"] for r in rows.values()} == {1.0}
     assert rows["dynamic"]["added_vs_dynamic"] == 0
+    # the lean step runs the same cache with fewer ops than transformers' forward around it
+    assert rows["h2o+lean"]["ops_per_token"] < rows["h2o"]["ops_per_token"]
+    assert rows["full+lean"]["ops_per_token"] < rows["full"]["ops_per_token"]
 
 
 def test_count_ops_sees_every_kind_of_host_sync():
