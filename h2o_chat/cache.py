@@ -302,7 +302,7 @@ def attend_and_replace(s, kv, meta, query, config, rows=None):
     conversation still below its budget: never attended, filled first), `idle` [batch, 1, 1] bool
     or None (rows whose spare moves onto itself, so nothing of theirs changes)."""
     b, q_heads, _, d = query.shape
-    logits = torch.bmm(query.view(s.bh, s.group, d), s.keys_t, out=s.logits)
+    logits = torch.bmm(query.reshape(s.bh, s.group, d), s.keys_t, out=s.logits)  # a view unless rows > 1 come strided
     if s.logits_acc is not None:
         logits = s.logits_acc.copy_(logits)
     logits.mul_(s.scale)

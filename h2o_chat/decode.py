@@ -63,6 +63,7 @@ class Decoder:
         self.inv_freq, self.rope_scaling = rope.inv_freq.float(), rope.attention_scaling
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.scaling = base.layers[0].self_attn.scaling
+        self.q_heads = text.num_attention_heads
         self.layers = [layer_weights(layer) for layer in base.layers]
 
     @torch.no_grad()
@@ -83,14 +84,15 @@ class Decoder:
             return out.logits[:, -1].float()
         x = F.embedding(token_ids, self.embed)  # [rows, 1, hidden]
         cos, sin = self.rotation(positions, x.dtype)
-        rows, d = x.shape[0], self.head_dim
+        rows, d, q_heads = x.shape[0], self.head_dim, self.q_heads
         kwargs = {}  # what transformers' attention passes to cache.update; the cache adds itself
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, self.eps)
-            q = F.linear(h, w.q, w.q_bias).view(rows, 1, -1, d).transpose(1, 2)
-            k = F.linear(h, w.k, w.k_bias).view(rows, 1, -1, d).transpose(1, 2)
+            # queries and keys rotated together: one rotation's ops instead of two (elementwise: same bits)
+            qk = torch.cat((F.linear(h, w.q, w.q_bias), F.linear(h, w.k, w.k_bias)), dim=-1).view(rows, 1, -1, d)
+            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # [rows, q_heads + kv_heads, 1, head_dim]
+            q, k = qk[:, :q_heads], qk[:, q_heads:]
             v = F.linear(h, w.v, w.v_bias).view(rows, 1, -1, d).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             cache.update(k, v, i, kwargs=kwargs)
             attn = cache.attend(i, q, self.scaling).reshape(rows, 1, -1)
             x = x + F.linear(attn, w.o, w.o_bias)
@@ -104,7 +106,7 @@ class Decoder:
         freqs = positions[:, None, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos() * self.rope_scaling, angles.sin() * self.rope_scaling
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # broadcast over [rows, 1, heads, head_dim]
 
 
 def rms_norm(x, weight, eps):
