@@ -17,6 +17,7 @@ A forward that fails (out of memory) goes back to a state the cache has fully se
 timeline is never ahead of or behind the cache.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -74,11 +75,12 @@ class Timeline:
         if common < len(self.fed):
             self.go_back(common)
             self.cache.set_pins(pins)  # a snapshot brings its own pins back
-        pos = 0
+        parts, pos = [], 0  # what is missing of each segment
         for ids, role, turn in segments:
             if pos + len(ids) > len(self.fed):
-                self.feed(ids[len(self.fed) - pos :], role, turn, on_progress, len(target))
+                parts.append((ids[max(0, len(self.fed) - pos) :], role, turn))
             pos += len(ids)
+        self.feed(parts, on_progress, len(target))
 
     def mark(self):
         self.snapshots = self.snapshots[-(MAX_SNAPSHOTS - 1) :] + [
@@ -98,12 +100,18 @@ class Timeline:
         self.snapshots = [s for s in self.snapshots if s.n_fed <= n]
 
     @torch.no_grad()
-    def feed(self, ids, role, turn, on_progress=None, total=None):
+    def feed(self, parts, on_progress=None, total=None):
+        """Feed parts [(ids, role, turn)] in order, in chunks of prefill_chunk tokens that run
+        across their boundaries: a forward reads every weight once, so a new message (its
+        template head, its text, the reply's opening: three parts) costs one forward, not three."""
         chunk = self.cache.config.prefill_chunk
-        for s in range(0, len(ids), chunk):
-            part = ids[s : s + chunk]
-            self._forward(torch.tensor([part], device=self.model.device))
-            self.ledger.append(part, [self.tokenizer.decode([t]) for t in part], role, turn)
+        tokens = [(t, role, turn) for ids, role, turn in parts for t in ids]
+        for s in range(0, len(tokens), chunk):
+            part = tokens[s : s + chunk]
+            self._forward(torch.tensor([[t for t, _, _ in part]], device=self.model.device))
+            for (role, turn), run in itertools.groupby(part, key=lambda token: token[1:]):
+                ids = [t for t, _, _ in run]
+                self.ledger.append(ids, [self.tokenizer.decode([t]) for t in ids], role, turn)
             if on_progress:
                 on_progress(len(self.fed), total)
 

@@ -81,6 +81,24 @@ def test_each_turn_feeds_only_its_new_tokens(tiny_chat):
     assert session.stats["slots_used"] == 48 and session.stats["kv_bytes"] < session.stats["full_kv_bytes"]
 
 
+@pytest.mark.parametrize("prefill_chunk,forwards", [(256, 1), (8, 5)])
+def test_a_new_message_is_read_in_as_few_forwards_as_its_chunks(tiny_chat, monkeypatch, prefill_chunk, forwards):
+    """The message's template head, its text and the reply's opening go through the model together:
+    every forward reads all the weights, so one per part would cost the time to first token."""
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16,
+                                                 prefill_chunk=prefill_chunk), temperature=0, max_new_tokens=4)
+    "".join(session.send("Hello there"))
+    fed_before, sizes = len(session.ledger), []
+    forward = timeline_mod.Timeline._forward
+    monkeypatch.setattr(timeline_mod.Timeline, "_forward", lambda self, x: (sizes.append(x.shape[1]), forward(self, x))[1])
+    reply = session.send("How are you today?")
+    next(reply)  # the first piece: the message has been read and one token drawn
+    assert len(sizes) == forwards and sum(sizes) == len(session.ledger) - fed_before
+    roles = session.ledger.roles[fed_before:]
+    assert "user" in roles and roles[-1] == "assistant"  # the ledger still knows whose each token is
+
+
 def test_special_token_strings_typed_by_a_user_are_plain_text(tiny_chat):
     model, tok = tiny_chat
     session = ChatSession(model, tok, temperature=0, max_new_tokens=4)
