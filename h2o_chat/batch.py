@@ -57,6 +57,7 @@ class Batcher:
             raise ValueError("max_batch must be at least 1")
         self.model, self.max_batch, self.gather_s = model, max_batch, gather_s
         self.decoder = Decoder(model)
+        self.threads = torch.get_num_threads()  # the intra-op threads the model's forwards run with
         self.arenas = {}  # cache settings -> Arena (only while it has members)
         self.steps = self.rows_stepped = 0  # batched steps run, and conversations they advanced
         self.largest_batch = 0  # most conversations stacked at once
@@ -71,6 +72,12 @@ class Batcher:
         """The forward of `input_ids` [1, n] into `cache`: the logits of its last token [vocab],
         float32. Blocks until the batcher thread has run it (batched with others when it can)."""
         request = Request(cache, input_ids)
+        # The caller's own torch work (sampling a token) runs on one thread. Each Python thread
+        # that runs torch ops gets its own OpenMP team, whose threads spin after each op; on a
+        # 2-core CPU, conversation threads sampling with two threads each took the cores from the
+        # batcher's forward (measured: one such thread slowed a decode step from 32 to 49 ms).
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="h2o-batcher")
@@ -100,6 +107,7 @@ class Batcher:
 
     # --- the batcher thread ---------------------------------------------------------------------
     def _loop(self):
+        torch.set_num_threads(self.threads)  # a new thread takes the last setting made anywhere: one, from run()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending or self._leaving)
