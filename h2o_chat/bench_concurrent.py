@@ -8,6 +8,9 @@ each N the two arms run back to back (alternating which goes first), with the `o
 streamed and greedy, so both generate the same tokens. Chat i is MT-Bench question i: its turns
 in order, each resending the history.
 
+With --repeats R the pair of arms runs R times per N (alternating which goes first) and each
+figure is the median over the repeats: one run of a few seconds moves by 10-30% on a shared machine.
+
 Reported per N and arm: aggregate tokens/s (every completion token / wall time of the whole
 run, prefills included), per-chat decode tokens/s (a chat's tokens after its first one / the
 time it spent streaming them; median over chats) and TTFT (request -> first text; median and
@@ -86,6 +89,12 @@ def summary(wall_s, chats):
             "tokens": sum(r["tokens"] for r in rows)}
 
 
+def medians(summaries):
+    """One summary per figure: the median over the repeats (their count in `runs`)."""
+    figures = {key: [s[key] for s in summaries if s[key] is not None] for key in summaries[0]}
+    return {key: round(statistics.median(v), 3) if v else None for key, v in figures.items()} | {"runs": len(summaries)}
+
+
 def cmd_concurrent(args):
     import httpx
 
@@ -98,22 +107,26 @@ def cmd_concurrent(args):
         port = free_port()
         servers[arm] = (f"http://127.0.0.1:{port}", start_h2o(port, args.threads, [*extra, "--concurrency", str(concurrency)]))
     results = {"meta": {"command": args.command_line, "sizes": args.sizes, "turns": args.turns,
-                        "max_tokens": args.max_tokens, "budget": args.budget, "threads": args.threads}, "sizes": {}}
+                        "max_tokens": args.max_tokens, "budget": args.budget, "threads": args.threads,
+                        "repeats": args.repeats}, "sizes": {}}
     try:
         for url, process in servers.values():
             wait_healthy(url, process)
         model = httpx.get(servers["together"][0] + "/v1/models").json()["data"][0]["id"]
         for url, _ in servers.values():  # the first request of a process pays for its warm-up
             run_chat(url, model, questions[0][:1], 4)
-        for k, n in enumerate(args.sizes):
+        for n in args.sizes:
             chats = [q[: args.turns] for q in questions[:n]]
-            row = {}
-            for arm in (("together", "one_at_a_time") if k % 2 == 0 else ("one_at_a_time", "together")):
-                wall, chat_rows = run_arm(servers[arm][0], model, chats, args.max_tokens, arm == "together")
-                row[arm] = summary(wall, chat_rows)
-                row[arm + "_texts"] = [[r["text"] for r in chat] for chat in chat_rows]
-                print(f"{n} chats, {arm}: {row[arm]}", flush=True)
-            row["same_replies"] = row["together_texts"] == row["one_at_a_time_texts"]
+            runs, texts = {"together": [], "one_at_a_time": []}, {}
+            for r in range(args.repeats):
+                for arm in (("together", "one_at_a_time") if r % 2 == 0 else ("one_at_a_time", "together")):
+                    wall, chat_rows = run_arm(servers[arm][0], model, chats, args.max_tokens, arm == "together")
+                    runs[arm].append(summary(wall, chat_rows))
+                    texts.setdefault(arm, [[row["text"] for row in chat] for chat in chat_rows])
+                    print(f"{n} chats, {arm}, run {r + 1}: {runs[arm][-1]}", flush=True)
+            row = {arm: medians(summaries) for arm, summaries in runs.items()}
+            row.update({f"{arm}_texts": arm_texts for arm, arm_texts in texts.items()})
+            row["same_replies"] = texts["together"] == texts["one_at_a_time"]
             results["sizes"][n] = row
     finally:
         for _, process in servers.values():

@@ -509,12 +509,12 @@ def test_bench_concurrent_runs_chats_together_and_one_at_a_time(tmp_path):
     questions = tmp_path / "questions.jsonl"
     questions.write_text("".join(json.dumps({"turns": [f"Question {i}?", "And then?"]}) + "\n" for i in range(3)))
     bench.main(["--model", str(folder), "--out", str(tmp_path), "concurrent", "--sizes", "1,3", "--turns", "2",
-                "--max-tokens", "6", "--turns-file", str(questions), "--budget", "48",
+                "--max-tokens", "6", "--turns-file", str(questions), "--budget", "48", "--repeats", "2",
                 "--h2o-args=--n-sink 2 --n-recent 16"])
     results = json.loads((tmp_path / "concurrent.json").read_text())["sizes"]
     assert list(results) == ["1", "3"]
     for row in results.values():
         for arm in ("together", "one_at_a_time"):
-            assert row[arm]["tokens"] > 0 and row[arm]["aggregate_tok_s"] > 0
+            assert row[arm]["tokens"] > 0 and row[arm]["aggregate_tok_s"] > 0 and row[arm]["runs"] == 2
         assert row["same_replies"]  # greedy, float32 on the tiny model: batched or not, the same text
     assert len(results["3"]["together_texts"]) == 3
