@@ -50,7 +50,8 @@ class Request:
 
 
 class Batcher:
-    """Runs the model for every conversation that uses it, batching their decode steps."""
+    """Runs the model for every conversation that uses it, batching their decode steps. A thread
+    that calls `run` does its own torch work on one intra-op thread from then on (see `run`)."""
 
     def __init__(self, model, max_batch=4, gather_s=GATHER_S):
         if max_batch < 1:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from .cache import rotate_half  # transformers' own, op for op
+
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load: cos/sin from it are HF's
 
 
@@ -113,11 +115,6 @@ def rms_norm(x, weight, eps):
     """LlamaRMSNorm, op for op: in float32, back to the model's dtype before the weight."""
     x32 = x.to(torch.float32)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def layer_weights(layer):
