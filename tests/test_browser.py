@@ -29,6 +29,15 @@ def browser():
         chromium.close()
 
 
+def new_context(browser):
+    """Every Playwright action in it waits up to WAIT_MS, not its default 30 s: while a reply
+    streams into a long token map on a busy machine, the page can take longer to answer (CI saw
+    the Stop button's click event wait out 30 s)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(WAIT_MS)
+    return context
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """A model that never ends its replies on its own: each runs to max_new_tokens (5000), so a
@@ -42,7 +51,7 @@ def app(tmp_path_factory):
 
 @pytest.fixture
 def page(browser, app):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context = new_context(browser)
     page = context.new_page()
     page.goto(app)
     page.wait_for_selector("#message textarea", timeout=WAIT_MS)
@@ -260,7 +269,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
 def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tmp_path):
     model, tok = make_tiny_chat()
     data, port = tmp_path / "data", free_port()
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context = new_context(browser)
     page = context.new_page()
     try:
         with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=24) as (url, _):
@@ -287,7 +296,7 @@ def test_two_tabs_stream_at_once_in_one_batch(browser, tmp_path):
     model, tok = never_ending(*make_tiny_chat())
     with live_app(tmp_path / "data", model, tok, cache=CACHE, concurrency=2, temperature=0,
                   max_new_tokens=5000) as (url, demo):
-        contexts = [browser.new_context(viewport={"width": 1280, "height": 900}) for _ in range(2)]
+        contexts = [new_context(browser) for _ in range(2)]
         try:
             pages = [c.new_page() for c in contexts]
             for page in pages:
