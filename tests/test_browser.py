@@ -55,8 +55,17 @@ def page(browser, app):
     page = context.new_page()
     page.goto(app)
     page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+    wait_for_the_page_load(page)
     yield page
     context.close()
+
+
+def wait_for_the_page_load(page):
+    """Until the page's load event has filled every field from its conversation: a setting typed
+    before that lands is overwritten by it (a busy machine delays it by seconds)."""
+    # the stats start empty; the load writes them: a new chat's invitation, or a reopened chat's figures
+    page.wait_for_function("() => { const t = (document.querySelector('#stats') || {}).innerText || ''; "
+                           "return t.includes('Send a message') || t.includes('tokens seen'); }", timeout=WAIT_MS)
 
 
 def box(page):
@@ -275,6 +284,7 @@ def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tm
         with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=24) as (url, _):
             page.goto(url)
             page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+            wait_for_the_page_load(page)
             send(page, "Survive a restart")
             page.locator("#chat .bot-row").first.wait_for(timeout=WAIT_MS)
             reply = stop_and_settle(page)
@@ -302,6 +312,7 @@ def test_two_tabs_stream_at_once_in_one_batch(browser, tmp_path):
             for page in pages:
                 page.goto(url)
                 page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+                wait_for_the_page_load(page)
             for page, text in zip(pages, ("First tab here", "Second tab here")):
                 send(page, text)
             for page in pages:
