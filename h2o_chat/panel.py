@@ -239,6 +239,8 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
     timing = ("no reply yet since it was opened" if live is None and ttft is None else
               "TTFT … · waiting for the first token" if ttft is None else
               f"TTFT {seconds(ttft)} · {speed:.1f} tokens/s" if speed is not None else f"TTFT {seconds(ttft)}")
+    if live is not None and ttft is not None:
+        timing += " · streaming"  # the figures of a reply still being written (the finished line has none)
     where = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", head {head}")
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** (a full cache: {stats['full_kv_bytes'] / 2**20:.1f} MiB, "

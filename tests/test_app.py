@@ -100,14 +100,18 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     assert (bad["policy"], bad["budget"]) == ("sink", 24)  # ... and the fields show what the chat uses
 
 
-def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(app_url):
-    client = Client(app_url, verbose=False)
-    job = client.submit("Tell me a very long story", api_name="/send")
-    for _ in deadline(30):
-        if len(job.outputs()) >= 3:
-            break
-    call(client, "1", "0", api_name="/select")  # the tab's pickers change mid-reply
-    out = shown(job.result(timeout=CALL_DEADLINE_S))
+def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(tmp_path):
+    model, tokenizer = never_ending(*make_tiny_chat())  # still streaming whenever the pick lands
+    with live_app(tmp_path, model, tokenizer, max_new_tokens=2000) as (url, _):
+        client = Client(url, verbose=False)
+        job = client.submit("Tell me a very long story", api_name="/send")
+        for _ in deadline(30):
+            if len(job.outputs()) >= 3:
+                break
+        call(client, "1", "0", api_name="/select")  # the tab's pickers change mid-reply
+        assert not job.done()
+        call(client, api_name="/stop")
+        out = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "Layer 1, KV head 0: exactly the tokens this head keeps" in out["token_map"]
     assert "In layer 1, head 0:" in out["stats"]
 

@@ -94,8 +94,14 @@ def stop_and_settle(page):
     # a click event on the button, not a pointer click: while tokens stream the page reflows every
     # few frames, so Playwright can wait out its 30 s for the button to hold still and never click
     page.locator("#stop").dispatch_event("click")
-    page.wait_for_function("() => !document.querySelector('#chat .generating, #stats .pending')", timeout=WAIT_MS)
-    page.wait_for_timeout(300)
+    # the reply is over when the stats line is the finished turn's: while one streams it says
+    # "waiting for the first token" or "streaming" (the Chatbot shows no progress of its own here)
+    try:
+        page.wait_for_function("() => { const t = document.querySelector('#stats').innerText; "
+                               "return !t.includes('waiting for the first token') && !t.includes('streaming'); }",
+                               timeout=WAIT_MS)
+    except playwright.Error:
+        raise AssertionError(f"the reply did not end after Stop; stats: {page.inner_text('#stats')!r}") from None
     settled = None
     for _ in range(50):  # bounded: until two reads of the reply agree
         now = bot_text(page)
@@ -145,7 +151,11 @@ def test_the_live_view_follows_new_tokens_and_lets_the_user_scroll_back(page):
     page.get_by_text("Cache (changing it replays the chat)").click()
     page.locator("#budget input").fill("600")  # a map longer than its box
     page.click("#apply-cache")
-    page.wait_for_function("() => document.querySelector('#budget input').value === '600'", timeout=WAIT_MS)
+    try:
+        page.wait_for_function("() => document.querySelector('#budget input').value === '600'", timeout=WAIT_MS)
+    except playwright.Error:
+        raise AssertionError(f"Apply did not take: budget {page.locator('#budget input').input_value()!r}, "
+                             f"page: {page.inner_text('body')[-1500:]!r}") from None
     box(page).fill("Stream a long reply after this long message:" + " word" * 300)  # the map overflows at once
     box(page).press("Enter")
     page.wait_for_selector("#token-map .token-map", timeout=WAIT_MS)

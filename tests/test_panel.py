@@ -166,3 +166,11 @@ def test_a_chat_opened_without_a_reply_since_shows_no_timing(tiny_chat, tmp_path
     text = panel.stats_markdown(reopened.stats, reopened.ledger.retention(reopened.cache))
     assert "no reply yet since it was opened" in text and "TTFT" not in text
     assert "TTFT" in panel.stats_markdown(s.stats, s.ledger.retention(s.cache))
+
+
+def test_the_stats_say_when_a_reply_is_still_streaming(session):
+    # the browser shows no progress of its own while a reply streams: the stats line says it
+    ret = session.ledger.retention(session.cache)
+    assert "waiting for the first token" in panel.stats_markdown(session.stats, ret, live=(None, None))
+    assert "· streaming" in panel.stats_markdown(session.stats, ret, live=(0.2, 12.5))
+    assert "streaming" not in panel.stats_markdown(session.stats, ret)  # the finished turn
