@@ -13,7 +13,7 @@ import gradio as gr
 
 from . import ui_chat, ui_panel, ui_settings
 from .conversation import cache_config
-from .ui_state import BROWSER_KEY, App, chat_view, new_view, tell, warn  # noqa: F401
+from .ui_state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .ui_state import CHAT_EVERY_S, PANEL_EVERY_S, warn
+from .ui_state import PANEL_EVERY_S, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
@@ -64,20 +64,16 @@ def pin_wanted(liked):
 
 
 def stream_into(tab, session, state, stream, saved):
-    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at the first piece and
-    then at most every CHAT_EVERY_S, the panel at most every PANEL_EVERY_S with this reply's live
-    TTFT and speed, and everything once the stream ends."""
+    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at every piece, the
+    panel at most every PANEL_EVERY_S with this reply's live TTFT and speed."""
     started, first_at, n_first = time.perf_counter(), None, 0
-    shown = chat_shown = time.perf_counter()
+    shown = time.perf_counter()
     yield tab.streamed(session, state, live=(None, None), saved=False)  # "waiting for the first token"
     try:
         for _ in stream:
             now = time.perf_counter()
             if first_at is None:
                 first_at, n_first = now, len(session.ledger)
-            elif now - chat_shown < CHAT_EVERY_S:
-                continue  # the next update carries this piece
-            chat_shown = now
             if now - shown >= PANEL_EVERY_S:
                 shown = now
                 speed = (len(session.ledger) - n_first) / (now - first_at) if now > first_at else None

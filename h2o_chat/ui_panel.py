@@ -84,18 +84,7 @@ def _chart(rows, y):
 
 
 def view(session, state, live=None):
-    """The panel's 7 values for this tab's session and view state. While a reply streams (live
-    with a TTFT), only the live view moves: the token map, the retention map and the stats; the
-    legend, the charts and the table are skipped until the reply ends (redrawn at every refresh,
-    they cost the browser more than the decode: see PANEL_EVERY_S)."""
-    values = _view(session, state, live)
-    if live is not None and live[0] is not None:
-        kept = {1, 2, 3}  # token map, retention map, stats: positions in outputs()
-        values = tuple(v if i in kept else gr.skip() for i, v in enumerate(values))
-    return values
-
-
-def _view(session, state, live):
+    """The panel's 7 values for this tab's session and view state."""
     if session is None or not len(session.ledger):
         policy = session.cache_config.policy if session is not None else CacheConfig.policy
         empty = _chart([], "KV MiB")

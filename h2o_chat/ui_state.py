@@ -16,12 +16,7 @@ import gradio as gr
 from . import store
 from .session import ChatSession
 
-# How often a streaming reply updates the page. The browser redraws what it is sent, and on a
-# small machine it shares the cores with the decode: in headless chromium on 2 cores, the chat at
-# every token and the whole panel every 0.5 s held the embedded model to ~9.5 tokens/s; the chat
-# 10 times a second and the live view (ui_panel.view) once a second, to ~15 (alone: ~23).
-CHAT_EVERY_S = 0.1
-PANEL_EVERY_S = 1.0
+PANEL_EVERY_S = 0.5  # panel refresh while streaming: rendering it costs far less than 10% of this
 BROWSER_KEY = "h2o-chat-conversation"
 
 

@@ -222,13 +222,15 @@ def test_the_panel_views_and_the_charts_legends(page, tmp_path):
         text = page.inner_text(chart)
         assert "tokens seen" in text
         for series in ("this cache", "a full cache"):  # the legend names both series, inside the chart's box
-            inside = page.evaluate(
-                "([chart, name]) => { const c = document.querySelector(chart).getBoundingClientRect(); "
-                "const t = [...document.querySelectorAll(chart + ' .role-legend-label text')]"
-                ".find(e => e.textContent === name); if (!t) return false; const r = t.getBoundingClientRect(); "
-                "return r.height > 0 && r.top >= c.top && r.bottom <= c.bottom && r.left >= c.left && r.right <= c.right; }",
-                [chart, series])
-            assert inside, f"{chart}: legend entry {series!r} missing or clipped"
+            try:  # the charts are redrawn when the reply ends (not while it streams): wait for the drawing
+                page.wait_for_function(
+                    "([chart, name]) => { const c = document.querySelector(chart).getBoundingClientRect(); "
+                    "const t = [...document.querySelectorAll(chart + ' .role-legend-label text')]"
+                    ".find(e => e.textContent === name); if (!t) return false; const r = t.getBoundingClientRect(); "
+                    "return r.height > 0 && r.top >= c.top && r.bottom <= c.bottom && r.left >= c.left "
+                    "&& r.right <= c.right; }", arg=[chart, series], timeout=WAIT_MS)
+            except playwright.Error:
+                raise AssertionError(f"{chart}: legend entry {series!r} missing or clipped") from None
     assert "KV memory (MiB)" in page.inner_text("#memory-chart")
     # the summary shows every token some (layer, head) keeps: at least one head's 48 slots
     assert page.locator("#token-map .tok:not(.st-evicted)").count() >= 48
