@@ -4,6 +4,7 @@
 import json
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from gradio_client import Client
@@ -37,15 +38,22 @@ def test_a_message_streams_back_with_the_panel(app_url):
     assert out["conversation_id"] and any(value == out["conversation_id"] for _, value in out["saved"]["choices"])
 
 
-def test_stop_ends_the_reply_and_keeps_it(tmp_path):
-    # a model that never ends a reply by itself: only Stop can end this one before its 2000 tokens
+@contextmanager
+def an_endless_reply(data_dir):
+    """(client, job): a reply streaming from an app whose model never ends one by itself, a few
+    updates in. Only Stop (or its 2000 tokens) ends it."""
     model, tokenizer = never_ending(*make_tiny_chat())
-    with live_app(tmp_path, model, tokenizer, max_new_tokens=2000) as (url, _):
+    with live_app(data_dir, model, tokenizer, max_new_tokens=2000) as (url, _):
         client = Client(url, verbose=False)
         job = client.submit("Tell me a very long story", api_name="/send")
         for _ in deadline(30):
             if len(job.outputs()) >= 3:
                 break
+        yield client, job
+
+
+def test_stop_ends_the_reply_and_keeps_it(tmp_path):
+    with an_endless_reply(tmp_path) as (client, job):
         call(client, api_name="/stop")
         for _ in deadline(10):
             if job.done():
@@ -101,13 +109,7 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
 
 
 def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(tmp_path):
-    model, tokenizer = never_ending(*make_tiny_chat())  # still streaming whenever the pick lands
-    with live_app(tmp_path, model, tokenizer, max_new_tokens=2000) as (url, _):
-        client = Client(url, verbose=False)
-        job = client.submit("Tell me a very long story", api_name="/send")
-        for _ in deadline(30):
-            if len(job.outputs()) >= 3:
-                break
+    with an_endless_reply(tmp_path) as (client, job):  # still streaming whenever the pick lands
         call(client, "1", "0", api_name="/select")  # the tab's pickers change mid-reply
         assert not job.done()
         call(client, api_name="/stop")
