@@ -594,8 +594,8 @@ def cmd_prefill_speed(args):
 
 
 def cmd_panel(args):
-    from . import panel
-    from .ui import PANEL_EVERY_S
+    from . import bench_page, panel
+    from .ui_state import CHAT_EVERY_S, PANEL_EVERY_S
 
     model, tokenizer = load_model(args.model)
     rows = []
@@ -623,8 +623,24 @@ def cmd_panel(args):
         rows.append({"measure": f"render panel of {len(session.ledger):,} tokens", "value":
                      round(time.perf_counter() - start, 3), "unit": "s"})
         print(rows[-1], f"{len(view['token_map']) / 1e6:.2f} MB of HTML", flush=True)
-    meta = {"command": args.command_line, "budget": args.budget,
-            "refresh_every_s": PANEL_EVERY_S}
+    del model  # the page's app loads its own
+    turns = bench_page.page_speed(args.model, args.budget, args.turns, args.new_tokens) if args.turns else None
+    if args.turns and turns is None:
+        print("the page: not measured (needs Debian's chromium and playwright)", flush=True)
+    for t in turns or ():
+        print(t, flush=True)
+    later = [t for t in turns or () if t["turn"] > 1]  # turn 1 warms the app up, as above
+    if later:
+        rows += [{"measure": "decode, reply streamed into the page (chromium on this machine)",
+                  "value": statistics.median(t["server_tokens_per_s"] for t in later), "unit": "tokens/s"},
+                 {"measure": "TTFT as the page shows it", "value": statistics.median(t["page_ttft_s"] for t in later),
+                  "unit": "s"},
+                 {"measure": "browser CPU time per reply", "value": statistics.median(t["browser_cpu_s"] for t in later),
+                  "unit": "s"}]
+        print(rows[-3:], flush=True)
+    meta = {"command": args.command_line, "budget": args.budget, "refresh_every_s": PANEL_EVERY_S,
+            "chat_every_s": CHAT_EVERY_S, "page_turns": turns,
+            "note": "page rows: medians over turns 2.. of one chat; the browser shares this machine's cores"}
     write_results(args.out, "panel", rows, ["measure", "value", "unit"], meta)
 
 
@@ -786,7 +802,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=512)
-    add_quick(p, tokens=2000, new_tokens=32)
+    p.add_argument("--turns", type=int, default=5, help="replies streamed into the page (chromium; 0: none)")
+    add_quick(p, tokens=2000, new_tokens=32, turns=2)
     p.set_defaults(run=cmd_panel)
     p = sub.add_parser("soak", parents=[shared], help="one session over many turns: memory, speed, reply quality")
     p.add_argument("--turns-file", default=str(DATA_DIR / "mt_bench.jsonl"))

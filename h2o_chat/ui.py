@@ -43,13 +43,21 @@ class Tab:
     after any chat action, `everything` (plus every settings field) when the conversation
     itself changes (new chat, restore, reload, Apply)."""
 
-    def __init__(self, app, session, conversation_id, chat, settings, panel):
-        self.app, self.session, self.conversation_id = app, session, conversation_id
+    def __init__(self, app, session, conversation_id, state, chat, settings, panel):
+        self.app, self.session, self.conversation_id, self.state = app, session, conversation_id, state
         self.chat, self.settings, self.panel = chat, settings, panel
 
     def streamed_outputs(self):
         return [self.session, self.conversation_id, self.chat.chatbot, self.settings.saved,
                 *ui_panel.outputs(self.panel)]
+
+    def live_outputs(self):
+        """What a reply streaming into the page updates: streamed_outputs() less the charts."""
+        return self.streamed_outputs()[:4] + [ui_panel.outputs(self.panel)[i] for i in ui_panel.LIVE]
+
+    def chart_outputs(self):
+        """What the page draws once a streamed reply has ended (`charts`)."""
+        return [ui_panel.outputs(self.panel)[i] for i in ui_panel.CHARTS]
 
     def everything_outputs(self):
         return self.streamed_outputs() + self.settings.fields()
@@ -61,6 +69,22 @@ class Tab:
         shown = ui_panel.view(session, state, live) if panel else ui_panel.skip()
         conversation_id = session.id if session is not None and session.messages else gr.skip()
         return (session, conversation_id, chat_view(session), saved_list, *shown)
+
+    def live(self, values):
+        """streamed() values cut to live_outputs()."""
+        return (*values[:4], *(values[4 + i] for i in ui_panel.LIVE))
+
+    def charts(self, session, state):
+        shown = ui_panel.view(session, state)
+        return tuple(shown[i] for i in ui_panel.CHARTS)
+
+    def charts_after(self, event):
+        """Draw the charts (chart_outputs) again once `event` ends. Every page event that shows
+        the charts is followed by this: Gradio 6's LinePlot, given a new value, hands its plot the
+        data of the value before (two of its effects run in that order), so a chart shows a value
+        only once another arrives. The same value again, right after, makes it show."""
+        return event.then(self.charts, inputs=[self.session, self.state], outputs=self.chart_outputs(), queue=False,
+                          api_visibility="private", show_progress="hidden")  # no loading veil: the old drawing stays until then
 
     def everything(self, session, state):
         return self.streamed(session, state) + tuple(ui_settings.values(session))
@@ -80,11 +104,12 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 settings = ui_settings.build()
             with gr.Column(scale=2, min_width=320):
                 panel = ui_panel.build(app.n_layers, app.n_heads, cache_config(dict(cache_defaults)).policy)
-        tab = Tab(app, session, conversation_id, chat, settings, panel)
+        tab = Tab(app, session, conversation_id, state, chat, settings, panel)
         ui_chat.wire(app, tab, chat, session, conversation_id, state)
-        ui_panel.wire(panel, session, state, app.n_layers, app.n_heads)
+        ui_panel.wire(panel, session, state, app.n_layers, app.n_heads, tab.charts_after)
         load = wire_conversation(app, tab, session, conversation_id, state)
-        demo.load(load, inputs=[conversation_id, state], outputs=tab.everything_outputs(), api_visibility="private")
+        tab.charts_after(demo.load(load, inputs=[conversation_id, state], outputs=tab.everything_outputs(),
+                                   api_visibility="private"))
         wire_api(app, tab, session, state)
 
         def tab_closed(request: gr.Request):
@@ -156,22 +181,25 @@ def wire_conversation(app, tab, session, conversation_id, state):
             warn(e)
         return tab.everything(current, state)
 
-    c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit, api_name="new_chat")
-    s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything, **limit, api_name="restore")
-    s.cache_btn.click(apply_cache, inputs=[session, state, *s.cache_fields()], outputs=everything, **limit,
-                      api_name="apply_cache")
-    s.sampling_btn.click(apply_sampling, inputs=[session, state, *s.sampling_fields()], outputs=everything, **limit,
-                         api_name="sampling")
+    tab.charts_after(c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit,
+                                     api_name="new_chat"))
+    tab.charts_after(s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything, **limit,
+                                         api_name="restore"))
+    tab.charts_after(s.cache_btn.click(apply_cache, inputs=[session, state, *s.cache_fields()], outputs=everything,
+                                       **limit, api_name="apply_cache"))
+    tab.charts_after(s.sampling_btn.click(apply_sampling, inputs=[session, state, *s.sampling_fields()],
+                                          outputs=everything, **limit, api_name="sampling"))
     s.export_btn.click(ui_settings.export, inputs=session, outputs=[s.export_md, s.export_json], api_name="export")
     return load
 
 
 def wire_api(app, tab, session, state):
     """Routes for scripts (gradio_client) that the page reaches through the Chatbot's own
-    controls: the whole send, regenerate, undo, edit and pin by message number, the saved list."""
+    controls: the whole send, regenerate, continue, undo, edit and pin by message number, the saved
+    list. Each returns every output, the charts included (the page's streams leave them to the end)."""
     with gr.Group(visible=False):
         text, turn, pinned = gr.Textbox(), gr.Number(precision=0), gr.Checkbox()
-        send_btn, edit_btn, pin_btn, regen_btn, undo_btn, list_btn = (gr.Button() for _ in range(6))
+        send_btn, edit_btn, pin_btn, regen_btn, cont_btn, undo_btn, list_btn = (gr.Button() for _ in range(7))
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
 
     def send(text, session, state):
@@ -186,13 +214,19 @@ def wire_api(app, tab, session, state):
     send_btn.click(send, inputs=[text, session, state], outputs=[text, *tab.streamed_outputs()], **limit,
                    api_name="send")
     edit_btn.click(edit, inputs=[session, state, turn, text], outputs=tab.streamed_outputs(), **limit, api_name="edit")
+
     def regenerate(session, state):
         yield from ui_chat.run_stream(tab, session, state, lambda s: s.regenerate())
+
+    def continue_reply(session, state):
+        yield from ui_chat.run_stream(tab, session, state, lambda s: s.continue_reply())
 
     def undo(session, state):
         return ui_chat.act(tab, session, state, lambda s: s.undo())
 
     list_btn.click(lambda: gr.Dropdown(choices=app.saved()), outputs=tab.settings.saved, api_name="saved_sessions")
     regen_btn.click(regenerate, inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_name="regenerate")
+    cont_btn.click(continue_reply, inputs=[session, state], outputs=tab.streamed_outputs(), **limit,
+                   api_name="continue")
     undo_btn.click(undo, inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_name="undo")
     pin_btn.click(pin, inputs=[session, state, turn, pinned], outputs=tab.streamed_outputs(), **limit, api_name="pin")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .ui_state import PANEL_EVERY_S, warn
+from .ui_state import CHAT_EVERY_S, PANEL_EVERY_S, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
@@ -64,16 +64,20 @@ def pin_wanted(liked):
 
 
 def stream_into(tab, session, state, stream, saved):
-    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at every piece, the
-    panel at most every PANEL_EVERY_S with this reply's live TTFT and speed."""
+    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at the first piece and
+    then at most every CHAT_EVERY_S, the panel at most every PANEL_EVERY_S with this reply's live
+    TTFT and speed, and everything once the stream ends."""
     started, first_at, n_first = time.perf_counter(), None, 0
-    shown = time.perf_counter()
+    shown = chat_shown = time.perf_counter()
     yield tab.streamed(session, state, live=(None, None), saved=False)  # "waiting for the first token"
     try:
         for _ in stream:
             now = time.perf_counter()
             if first_at is None:
                 first_at, n_first = now, len(session.ledger)
+            elif now - chat_shown < CHAT_EVERY_S:
+                continue  # the next update carries this piece
+            chat_shown = now
             if now - shown >= PANEL_EVERY_S:
                 shown = now
                 speed = (len(session.ledger) - n_first) / (now - first_at) if now > first_at else None
@@ -170,7 +174,8 @@ def _turn(turn):
 
 
 def wire(app, tab, c, session, conversation_id, state):
-    """Connect the chat column's events. Every streaming event shares one concurrency slot pool."""
+    """Connect the chat column's events. Every streaming event shares one concurrency slot pool;
+    one that streams into the page updates its live view, then draws the charts once it ends."""
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
     pending = gr.Textbox(visible=False)  # the message on its way, out of the box
 
@@ -178,20 +183,23 @@ def wire(app, tab, c, session, conversation_id, state):
         for box, *out in reply(app, tab, message, session, conversation_id, state, progress):
             if not isinstance(box, dict) and typed:  # refused: back in the box, before what was typed since
                 box = f"{box or ''}{typed}"
-            yield (box, *out)
+            yield (box, *tab.live(out))
 
     for trigger in (c.text.submit, c.send_btn.click):
-        trigger(None, inputs=c.text, outputs=[pending, c.text], js=SEND_JS, queue=False,
-                api_visibility="private").then(
+        streamed = trigger(None, inputs=c.text, outputs=[pending, c.text], js=SEND_JS, queue=False,
+                           api_visibility="private").then(
             step2, inputs=[pending, c.text, session, conversation_id, state],
-            outputs=[c.text, *tab.streamed_outputs()], **limit, api_visibility="private", show_progress="hidden")
+            outputs=[c.text, *tab.live_outputs()], **limit, api_visibility="private", show_progress="hidden")
+        tab.charts_after(tab.charts_after(streamed))  # drawn once the reply ends, and again (see charts_after)
     c.stop_btn.click(lambda s: s.stop() if s is not None else None, inputs=session, queue=False, api_name="stop")
 
     def retried(session, state, data: gr.RetryData):
-        yield from run_stream(tab, session, state, lambda s: s.regenerate())
+        for out in run_stream(tab, session, state, lambda s: s.regenerate()):
+            yield tab.live(out)
 
-    def continue_reply(session, state):
-        yield from run_stream(tab, session, state, lambda s: s.continue_reply())
+    def continued(session, state):
+        for out in run_stream(tab, session, state, lambda s: s.continue_reply()):
+            yield tab.live(out)
 
     def undone(session, state, data: gr.UndoData):
         return act(tab, session, state, lambda s: s.undo())
@@ -202,9 +210,10 @@ def wire(app, tab, c, session, conversation_id, state):
     def liked(session, state, data: gr.LikeData):
         return pin(tab, session, state, data.index, data.liked)
 
-    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit)
-    c.chatbot.retry(retried, **io, api_visibility="private")
-    c.cont_btn.click(continue_reply, **io, api_name="continue")
-    c.chatbot.undo(undone, **io, api_visibility="private")
-    c.chatbot.edit(edited, **io, api_visibility="private")
-    c.chatbot.like(liked, **io, api_visibility="private")
+    streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")
+    tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))
+    tab.charts_after(tab.charts_after(c.cont_btn.click(continued, **streams)))
+    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private")
+    tab.charts_after(c.chatbot.undo(undone, **io))
+    tab.charts_after(c.chatbot.edit(edited, **io))
+    tab.charts_after(c.chatbot.like(liked, **io))

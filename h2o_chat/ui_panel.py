@@ -60,6 +60,15 @@ def outputs(p):
     return [p.legend, p.token_map, p.retention_map, p.stats, p.memory, p.slots, p.heavy]
 
 
+# A reply streaming into the page refreshes only the live view (LIVE: the token map, the retention
+# map, the stats); the rest (CHARTS: the legend, the two charts, the table) is drawn once, whole,
+# when the reply ends. On a small machine the browser shares the cores with the decode, and
+# redrawing two Vega charts at every refresh cost it more than the tokens did. They are left out of
+# the stream rather than skipped in it: a chart skipped mid-stream came back drawn from a diff
+# against the skip (no lines, a categorical y axis).
+LIVE, CHARTS = (1, 2, 3), (0, 4, 5, 6)  # positions in outputs()
+
+
 def skip():
     return [gr.skip()] * 7
 
@@ -78,7 +87,9 @@ def parse_pick(value, count, what):
 
 
 def _chart(rows, y):
-    frame = pd.DataFrame(rows or [], columns=CHART_COLUMNS)
+    # no rows yet: both series at the origin, as in build(). An empty frame's columns have no
+    # numbers in them, so the plot would take its axes as categories and keep them once points came
+    frame = pd.DataFrame(rows or ORIGIN, columns=CHART_COLUMNS)
     x_top = render.chart_limits(rows, "tokens seen")[1] if rows else 1
     return gr.LinePlot(value=frame, x_lim=[0, x_top], y_lim=render.chart_limits(rows, y))
 
@@ -112,10 +123,11 @@ def pick(session, state, layer, head, n_layers, n_heads):
     return view(session, state)
 
 
-def wire(p, session, state, n_layers, n_heads):
+def wire(p, session, state, n_layers, n_heads, charts_after):
+    """The pickers. charts_after: ui.Tab.charts_after (the charts need a second drawing)."""
     def select(session, state, layer, head):
         return pick(session, state, layer, head, n_layers, n_heads)
 
     for picker in (p.layer, p.head):
-        picker.change(select, inputs=[session, state, p.layer, p.head], outputs=outputs(p), api_name="select",
-                      queue=False)
+        charts_after(picker.change(select, inputs=[session, state, p.layer, p.head], outputs=outputs(p),
+                                   api_name="select", queue=False))

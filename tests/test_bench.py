@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from h2o_chat import bench, evaluate
+from h2o_chat import bench, bench_page, evaluate
 from tests.conftest import read_results
+from tests.live import save_tiny_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,10 +77,24 @@ def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
 def test_bench_panel(tiny_chat, play_text, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
     bench.main(["--text", str(play_text), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
-                "--budget", "32"])
+                "--budget", "32", "--turns", "0"])
     rows = read_results(tmp_path, "panel", plot=False)["rows"]
     assert [r["measure"] for r in rows][:4] == ["decode without panel", "decode with panel"] * 2
     assert rows[-1]["measure"].startswith("render panel of ") and rows[-1]["value"] >= 0
+
+
+@pytest.mark.browser
+@pytest.mark.live
+@pytest.mark.slow
+@pytest.mark.skipif(bench_page.CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_bench_panel_streams_replies_into_the_real_page(tmp_path):
+    # the app in its own process (the tiny chat model from a folder), the page in chromium
+    folder = save_tiny_chat(tmp_path / "model")
+    turns = bench_page.page_speed(str(folder), budget=48, turns=2, new_tokens=12)
+    assert [t["turn"] for t in turns] == [1, 2]
+    for t in turns:  # each reply streamed, ended, and the page's stats line gave its speed
+        assert t["reply_chars"] > 0 and t["server_tokens_per_s"] > 0
+        assert 0 < t["page_ttft_s"] < 300 and t["page_stream_s"] >= 0 and t["browser_cpu_s"] > 0
 
 
 def test_bench_soak(tiny_chat, tmp_path, monkeypatch):

@@ -251,6 +251,16 @@ def test_the_panel_views_and_the_charts_legends(page, tmp_path):
             except playwright.Error:
                 raise AssertionError(f"{chart}: legend entry {series!r} missing or clipped") from None
     assert "KV memory (MiB)" in page.inner_text("#memory-chart")
+    for chart in ("#memory-chart", "#slots-chart"):  # each series drawn from the origin to the reply's end,
+        try:  # on number axes (an empty first value once made them categories; a value once showed a reply late)
+            page.wait_for_function(
+                "([chart]) => { const lines = [...document.querySelectorAll(chart + ' .mark-line path')]; "
+                "const axes = [...document.querySelectorAll(chart + ' .role-axis[aria-label]')]; "
+                "return lines.length === 2 && lines.every(l => (l.getAttribute('d') || '').includes('L')) "
+                "&& axes.length === 2 && axes.every(a => a.getAttribute('aria-label').includes('linear scale')); }",
+                arg=[chart], timeout=WAIT_MS)
+        except playwright.Error:
+            raise AssertionError(f"{chart} is not drawn: {page.inner_html(chart)[:2000]}") from None
     # the summary shows every token some (layer, head) keeps: at least one head's 48 slots
     assert page.locator("#token-map .tok:not(.st-evicted)").count() >= 48
 

@@ -1,0 +1,130 @@
+"""Replies streamed into the real page: the app in its own process, driven by Debian's chromium.
+
+`bench panel` calls `page_speed`. The browser shares the machine's cores with the decode, so the
+server's tokens/s here is what a user of this machine sees, not the decode's speed alone: every
+update of the chat and of the live panel is redrawn by the page while the next token is computed.
+
+Per turn: the server's own decode tokens/s (the stats line once the reply has ended), the TTFT
+and stream time as the page shows them (Enter -> first reply text -> the stats line final), and
+the CPU time the browser's processes used meanwhile (a count, steadier than the speeds: what the
+page's redraws cost).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from .llamacpp_worker import free_port
+
+CHROMIUM = shutil.which("chromium")
+WAIT_MS = 300_000
+PROMPTS = ["Tell me a long story about a lighthouse keeper.", "Go on, in much more detail.",
+           "What happened to the lighthouse after that?", "Describe the keeper's family.",
+           "Now tell it from the ship's point of view."]
+LAST_REPLY = ("() => { const b = document.querySelectorAll('#chat .bot-row'); "
+              "return b.length ? b[b.length - 1].innerText : ''; }")
+REPLY_ENDED = ("() => { const t = document.querySelector('#stats').innerText; "
+               "return t.includes('tokens/s') && !t.includes('streaming') && !t.includes('waiting'); }")
+
+
+def wait_for_app(url, process, deadline_s=600):
+    import httpx
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the app exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the app did not answer at {url} within {deadline_s} s")
+
+
+def page_speed(model, budget, turns, new_tokens):
+    """Rows {turn, server_tokens_per_s, page_ttft_s, page_stream_s, browser_cpu_s} for `turns` greedy replies of
+    at most `new_tokens` in one chat, or None when chromium or Playwright is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    if CHROMIUM is None:
+        return None
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    with tempfile.TemporaryDirectory() as data_dir:
+        command = [sys.executable, "-m", "h2o_chat.server", "--port", str(port), "--data-dir", data_dir,
+                   "--budget", str(budget)] + (["--model", model] if model else [])
+        app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_app(url, app)
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+                page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+                page.set_default_timeout(WAIT_MS)
+                page.goto(url)
+                page.wait_for_function("() => (document.querySelector('#stats') || {}).innerText?.includes('Send a')")
+                set_greedy(page, new_tokens)
+                rows = [one_turn(page, PROMPTS[t % len(PROMPTS)], t + 1) for t in range(turns)]
+                browser.close()
+            return rows
+        finally:
+            app.terminate()
+            app.wait(timeout=60)
+
+
+def set_greedy(page, new_tokens):
+    """Temperature 0 and the reply length, through the Settings fields as a user sets them. Apply
+    is pressed until its request carries them: just after the accordion opens, Gradio can put the
+    loaded values back over typed ones (tests/test_browser.py's apply_settings)."""
+    page.get_by_text("Generation").first.click()
+    for _ in range(5):
+        page.locator("#temperature input[type=number]").fill("0")
+        page.locator("#max-new input").fill(str(new_tokens))
+        with page.expect_request(lambda r: "/queue/join" in r.url) as request:
+            page.click("#apply-sampling")
+        if new_tokens in json.loads(request.value.post_data)["data"]:
+            break
+        page.wait_for_timeout(500)
+    page.wait_for_function(f"() => document.querySelector('#max-new input').value === '{new_tokens}'")
+
+
+def browser_cpu_s():
+    """CPU seconds (user + system) used so far by every chromium process on this machine."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"chromium" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def one_turn(page, text, turn):
+    n_replies = page.evaluate("() => document.querySelectorAll('#chat .bot-row').length")
+    box = page.locator("#message textarea")
+    box.fill(text)
+    sent, cpu_before = time.perf_counter(), browser_cpu_s()
+    box.press("Enter")
+    page.wait_for_function("([n]) => { const b = document.querySelectorAll('#chat .bot-row'); "
+                           "return b.length > n && b[b.length - 1].innerText.trim().length > 0; }",
+                           arg=[n_replies], polling=10)
+    first = time.perf_counter()
+    page.wait_for_function(REPLY_ENDED, polling=20)
+    ended, browser_cpu = time.perf_counter(), browser_cpu_s() - cpu_before
+    speed = re.search(r"([\d.]+) tokens/s", page.inner_text("#stats"))
+    return {"turn": turn, "server_tokens_per_s": float(speed.group(1)) if speed else None,
+            "page_ttft_s": round(first - sent, 3), "page_stream_s": round(ended - first, 3),
+            "reply_chars": len(page.evaluate(LAST_REPLY)), "browser_cpu_s": round(browser_cpu, 2)}
