@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from .bench_api import wait_healthy
 from .llamacpp_worker import free_port
 
 CHROMIUM = shutil.which("chromium")
@@ -30,22 +31,6 @@ LAST_REPLY = ("() => { const b = document.querySelectorAll('#chat .bot-row'); "
               "return b.length ? b[b.length - 1].innerText : ''; }")
 REPLY_ENDED = ("() => { const t = document.querySelector('#stats').innerText; "
                "return t.includes('tokens/s') && !t.includes('streaming') && !t.includes('waiting'); }")
-
-
-def wait_for_app(url, process, deadline_s=600):
-    import httpx
-
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the app exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"the app did not answer at {url} within {deadline_s} s")
 
 
 def page_speed(model, budget, turns, new_tokens):
@@ -64,7 +49,7 @@ def page_speed(model, budget, turns, new_tokens):
                    "--budget", str(budget)] + (["--model", model] if model else [])
         app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_for_app(url, app)
+            wait_healthy(url.rstrip("/"), app)  # it listens once its model is loaded
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
                 page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
@@ -81,19 +66,29 @@ def page_speed(model, budget, turns, new_tokens):
 
 
 def set_greedy(page, new_tokens):
-    """Temperature 0 and the reply length, through the Settings fields as a user sets them. Apply
-    is pressed until its request carries them: just after the accordion opens, Gradio can put the
-    loaded values back over typed ones (tests/test_browser.py's apply_settings)."""
+    """Temperature 0 and the reply length, through the Settings fields as a user sets them."""
     page.get_by_text("Generation").first.click()
-    for _ in range(5):
-        page.locator("#temperature input[type=number]").fill("0")
-        page.locator("#max-new input").fill(str(new_tokens))
-        with page.expect_request(lambda r: "/queue/join" in r.url) as request:
-            page.click("#apply-sampling")
-        if new_tokens in json.loads(request.value.post_data)["data"]:
-            break
-        page.wait_for_timeout(500)
+    apply_settings(page, "#apply-sampling", {"#temperature input[type=number]": "0", "#max-new input": str(new_tokens)})
     page.wait_for_function(f"() => document.querySelector('#max-new input').value === '{new_tokens}'")
+
+
+def apply_settings(page, button, typed, tries=5):
+    """Type into settings fields ({selector: number as text}) and press the Apply `button` until
+    Apply sends what was typed (the browser tests use it too). Gradio mounts a closed accordion's
+    fields when it first opens, and for some milliseconds after that it can put the loaded value
+    back over text typed into them: in CI, Apply then sent budget 48 with 600 in the box. A person
+    cannot type that soon after opening it; a script can. What Apply sent is read from its request."""
+    wanted = [float(text) for text in typed.values()]
+    for _ in range(tries):
+        for selector, text in typed.items():
+            page.locator(selector).fill(text)
+        with page.expect_request(lambda r: "/queue/join" in r.url) as request:
+            page.click(button)
+        sent = json.loads(request.value.post_data)["data"]
+        if all(v in sent for v in wanted):
+            return
+        page.wait_for_timeout(500)  # let the Apply that sent the old values answer before typing again
+    raise RuntimeError(f"Apply never sent {typed} (it sent {sent})")
 
 
 def browser_cpu_s():

@@ -247,13 +247,15 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
             f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
 
 
-def render(session, layer=None, head=None, live=None):
+def render(session, layer=None, head=None, live=None, maps=True):
     """Everything the panel shows for a session, as strings and plain rows (no tensors).
-    The charts plot the session's points (it starts them again after a replay) and now."""
+    The charts plot the session's points (it starts them again after a replay) and now.
+    maps=False leaves the token map and the retention map empty: the costly parts on a long chat,
+    not needed to draw the charts alone."""
     retention = session.ledger.retention(session.cache)
     points = session.turn_stats + [session.stats]  # the live point moves as a reply streams
-    return {"token_map": token_map(session.ledger, retention, layer, head),
-            "retention_map": retention_map_html(retention, layer),
+    return {"token_map": token_map(session.ledger, retention, layer, head) if maps else "",
+            "retention_map": retention_map_html(retention, layer) if maps else "",
             "stats": stats_markdown(session.stats, retention, layer, head, live),
             "memory": memory_rows(points),
             "heavy": top_heavy(session.ledger, retention, layer, head),

@@ -51,9 +51,12 @@ class Tab:
         return [self.session, self.conversation_id, self.chat.chatbot, self.settings.saved,
                 *ui_panel.outputs(self.panel)]
 
+    # positions in streamed_outputs() of what a reply streaming into the page updates: the session,
+    # conversation id, chat and saved list, then the panel's live view (less the charts)
+    LIVE = (0, 1, 2, 3, *(4 + i for i in ui_panel.LIVE))
+
     def live_outputs(self):
-        """What a reply streaming into the page updates: streamed_outputs() less the charts."""
-        return self.streamed_outputs()[:4] + [ui_panel.outputs(self.panel)[i] for i in ui_panel.LIVE]
+        return [self.streamed_outputs()[i] for i in self.LIVE]
 
     def chart_outputs(self):
         """What the page draws once a streamed reply has ended (`charts`)."""
@@ -72,10 +75,10 @@ class Tab:
 
     def live(self, values):
         """streamed() values cut to live_outputs()."""
-        return (*values[:4], *(values[4 + i] for i in ui_panel.LIVE))
+        return tuple(values[i] for i in self.LIVE)
 
     def charts(self, session, state):
-        shown = ui_panel.view(session, state)
+        shown = ui_panel.view(session, state, maps=False)
         return tuple(shown[i] for i in ui_panel.CHARTS)
 
     def charts_after(self, event):

@@ -94,15 +94,15 @@ def _chart(rows, y):
     return gr.LinePlot(value=frame, x_lim=[0, x_top], y_lim=render.chart_limits(rows, y))
 
 
-def view(session, state, live=None):
-    """The panel's 7 values for this tab's session and view state."""
+def view(session, state, live=None, maps=True):
+    """The panel's 7 values for this tab's session and view state (maps: see panel.render)."""
     if session is None or not len(session.ledger):
         policy = session.cache_config.policy if session is not None else CacheConfig.policy
         empty = _chart([], "KV MiB")
         waiting = "TTFT … · waiting for the first token" if live else "*Send a message to see what the cache keeps.*"
         return (render.legend_html(policy), "", "", waiting, empty,
                 _chart([], "slots per head"), pd.DataFrame())
-    shown = render.render(session, state["layer"], state["head"], live=live)
+    shown = render.render(session, state["layer"], state["head"], live=live, maps=maps)
     pins = pinned_turns(session)
     if pins:  # the Chatbot cannot mark a user message, so the stats name the pinned ones
         shown["stats"] += " · pinned (never evicted): " + ", ".join(f"message {i + 1}" for i in pins)

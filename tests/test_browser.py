@@ -4,11 +4,11 @@ pin through the Chatbot's own buttons, pick a layer and head, restore a saved co
 Replies are greedy (temperature 0); every wait has a deadline. Skipped where chromium is not
 installed (`.ci/run` installs it)."""
 
-import json
 import shutil
 
 import pytest
 
+from h2o_chat.bench_page import apply_settings
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, live_app, never_ending
 
@@ -113,25 +113,6 @@ def stop_and_settle(page):
     raise AssertionError("the reply kept changing after Stop")
 
 
-def apply_settings(page, button, **typed):
-    """Type into settings fields ({elem_id: text}) and press the Apply `button` until Apply sends
-    what was typed (five tries). Gradio mounts a closed accordion's fields when it first opens, and
-    for some milliseconds after that it can put the loaded value back over text typed into them: in
-    CI, Apply then sent budget 48 with 600 in the box. A person cannot type that soon after opening
-    it; a test can. What Apply sent is read from its request."""
-    wanted = [float(text) for text in typed.values()]
-    for _ in range(5):
-        for elem_id, text in typed.items():
-            page.locator(f"#{elem_id} input").fill(text)
-        with page.expect_request(lambda r: "/queue/join" in r.url, timeout=WAIT_MS) as request:
-            page.click(button)
-        sent = json.loads(request.value.post_data)["data"]
-        if all(v in sent for v in wanted):
-            return
-        page.wait_for_timeout(500)  # let the Apply that sent the old values answer before typing again
-    raise AssertionError(f"Apply never sent {typed} (it sent {sent})")
-
-
 def send(page, text):
     box(page).fill(text)
     box(page).press("Enter")
@@ -169,7 +150,7 @@ def test_text_typed_while_a_reply_streams_stays_in_the_box(page):
 
 def test_the_live_view_follows_new_tokens_and_lets_the_user_scroll_back(page):
     page.get_by_text("Cache (changing it replays the chat)").click()
-    apply_settings(page, "#apply-cache", budget="600")  # a map longer than its box
+    apply_settings(page, "#apply-cache", {"#budget input": "600"})  # a map longer than its box
     try:
         page.wait_for_function("() => document.querySelector('#budget input').value === '600'", timeout=WAIT_MS)
     except playwright.Error:
@@ -288,7 +269,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     stop_and_settle(page)
     # each Apply's answer fills every field from the conversation, so the next fields are typed only
     # once it has landed (it shows: the chat is replayed, and the stats change with it)
-    apply_settings(page, "#apply-cache", budget="40")
+    apply_settings(page, "#apply-cache", {"#budget input": "40"})
     page.wait_for_function("() => document.querySelector('#stats').innerText.includes('40 slots per head')",
                            timeout=WAIT_MS)  # the cache the chat now runs on
     stats_before = page.inner_text("#stats")
