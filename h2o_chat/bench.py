@@ -624,7 +624,7 @@ def cmd_panel(args):
                      round(time.perf_counter() - start, 3), "unit": "s"})
         print(rows[-1], f"{len(view['token_map']) / 1e6:.2f} MB of HTML", flush=True)
     del model  # the page's app loads its own
-    turns = bench_page.page_speed(args.model, args.budget, args.turns, args.new_tokens) if args.turns else None
+    turns = bench_page.page_speed(args.model, args.budget, args.turns, args.new_tokens, args.app_dir) if args.turns else None
     if args.turns and turns is None:
         print("the page: not measured (needs Debian's chromium and playwright)", flush=True)
     for t in turns or ():
@@ -638,7 +638,8 @@ def cmd_panel(args):
                  {"measure": "browser CPU time per reply", "value": statistics.median(t["browser_cpu_s"] for t in later),
                   "unit": "s"}]
         print(rows[-3:], flush=True)
-    meta = {"command": args.command_line, "budget": args.budget, "refresh_every_s": PANEL_EVERY_S,
+    meta = {"command": args.command_line, "budget": args.budget, "app_dir": args.app_dir,
+            "refresh_every_s": PANEL_EVERY_S,
             "chat_every_s": CHAT_EVERY_S, "page_turns": turns,
             "note": "page rows: medians over turns 2.. of one chat; the browser shares this machine's cores"}
     write_results(args.out, "panel", rows, ["measure", "value", "unit"], meta)
@@ -803,6 +804,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--turns", type=int, default=5, help="replies streamed into the page (chromium; 0: none)")
+    p.add_argument("--app-dir", default=None, help="run the page's app from this checkout (e.g. a git worktree of "
+                   "an older commit: run both, alternating, to compare)")
     add_quick(p, tokens=2000, new_tokens=32, turns=2)
     p.set_defaults(run=cmd_panel)
     p = sub.add_parser("soak", parents=[shared], help="one session over many turns: memory, speed, reply quality")

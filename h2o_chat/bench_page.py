@@ -33,9 +33,10 @@ REPLY_ENDED = ("() => { const t = document.querySelector('#stats').innerText; "
                "return t.includes('tokens/s') && !t.includes('streaming') && !t.includes('waiting'); }")
 
 
-def page_speed(model, budget, turns, new_tokens):
-    """Rows {turn, server_tokens_per_s, page_ttft_s, page_stream_s, browser_cpu_s} for `turns` greedy replies of
-    at most `new_tokens` in one chat, or None when chromium or Playwright is missing."""
+def page_speed(model, budget, turns, new_tokens, app_dir=None):
+    """Rows {turn, server_tokens_per_s, page_ttft_s, page_stream_s, browser_cpu_s} for `turns` greedy
+    replies of at most `new_tokens` in one chat, or None when chromium or Playwright is missing.
+    app_dir: run the app from that checkout (a git worktree of an older commit, to compare)."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -47,7 +48,7 @@ def page_speed(model, budget, turns, new_tokens):
     with tempfile.TemporaryDirectory() as data_dir:
         command = [sys.executable, "-m", "h2o_chat.server", "--port", str(port), "--data-dir", data_dir,
                    "--budget", str(budget)] + (["--model", model] if model else [])
-        app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=app_dir)
         try:
             wait_healthy(url.rstrip("/"), app)  # it listens once its model is loaded
             with sync_playwright() as p:

@@ -19,7 +19,7 @@ from .session import ChatSession
 # How often a streaming reply updates the page. The browser redraws each update and, on a small
 # machine, shares the cores with the decode: in headless chromium on 2 cores, the chat at every
 # token cost the page ~0.9 CPU-seconds more per 96-token reply than 10 updates a second did
-# (bench_page's browser CPU, interleaved runs).
+# (bench_page's browser CPU, this build against one patched to send every token, interleaved).
 CHAT_EVERY_S = 0.1
 PANEL_EVERY_S = 0.5  # the live view (token map, retention map, stats); the charts wait for the end
 BROWSER_KEY = "h2o-chat-conversation"
