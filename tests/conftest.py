@@ -10,7 +10,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from h2o_chat.model import default_model_folder, load_model
+from h2o_chat.models.load import default_model_folder, load_model
 
 
 def pytest_collection_modifyitems(config, items):

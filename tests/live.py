@@ -6,8 +6,8 @@ from contextlib import contextmanager
 
 import torch
 
-from h2o_chat.batch import Batcher
-from h2o_chat.ui import CSS, HEAD, build
+from h2o_chat.chat.batch import Batcher
+from h2o_chat.ui.page import CSS, HEAD, build
 from tests.conftest import make_tiny_chat
 
 CALL_DEADLINE_S = 60  # a route of the tiny-model app answers in well under a second

@@ -15,10 +15,11 @@ import torch
 
 import app as app_main
 import h2o_chat
-from h2o_chat import ChatSession, store
-from h2o_chat.api import create_router
-from h2o_chat.batch import Batcher
-from h2o_chat.ui import CSS, build
+from h2o_chat import ChatSession
+from h2o_chat.chat import store
+from h2o_chat.chat.batch import Batcher
+from h2o_chat.serve.api import create_router
+from h2o_chat.ui.page import CSS, build
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, never_ending
 
@@ -484,7 +485,7 @@ def test_with_a_ui_login_and_a_key_the_key_opens_the_api(app_server):
 
 
 def test_bench_api_drives_a_chat_through_app_py(tmp_path):
-    from h2o_chat import bench_api
+    from h2o_chat.bench import api as bench_api
     from tests.live import save_tiny_chat
 
     folder = save_tiny_chat(tmp_path / "tiny")
@@ -498,7 +499,7 @@ def test_bench_api_drives_a_chat_through_app_py(tmp_path):
     assert rows[0]["cached_tokens"] == 0
     for before, after in zip(rows, rows[1:]):  # every earlier prompt and reply is served from the cache
         assert after["cached_tokens"] == before["prompt_tokens"] + before["completion_tokens"]
-    assert (tmp_path / "api_vs_llamacpp.md").read_text().startswith("Command: `python -m h2o_chat.bench_api")
+    assert (tmp_path / "api_vs_llamacpp.md").read_text().startswith("Command: `python -m h2o_chat.bench.api")
 
 
 def test_bench_concurrent_runs_chats_together_and_one_at_a_time(tmp_path):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 from gradio_client import Client
 
-from h2o_chat import store
+from h2o_chat.chat import store
 from tests.conftest import make_tiny_chat
 from tests.live import CALL_DEADLINE_S, call, deadline, live_app, never_ending, shown, text_of
 

@@ -44,13 +44,17 @@ from gradio_client import Client
 from transformers import GPT2Config
 
 import app as app_main
-from h2o_chat import ChatSession, Conversation, Message, store, ui_chat, ui_panel, ui_settings
-from h2o_chat.api import ApiError, read_chat_request, read_text_request
-from h2o_chat.conversation import cache_config, sampling
-from h2o_chat.model import ModelLoadError, load_model
-from h2o_chat.render import render
-from h2o_chat.session import MAX_MESSAGE_CHARS, check_system_prompt, check_text
-from h2o_chat.ui_state import App, number
+from h2o_chat import ChatSession, Conversation, Message
+from h2o_chat.chat import store
+from h2o_chat.chat.conversation import cache_config, sampling
+from h2o_chat.chat.session import MAX_MESSAGE_CHARS, check_system_prompt, check_text
+from h2o_chat.chat.template import render
+from h2o_chat.models.load import ModelLoadError, load_model
+from h2o_chat.serve.api import ApiError, read_chat_request, read_text_request
+from h2o_chat.ui import chat as ui_chat
+from h2o_chat.ui import panel as ui_panel
+from h2o_chat.ui import settings as ui_settings
+from h2o_chat.ui.state import App, number
 from tests.conftest import make_tiny_chat
 from tests.live import CALL_DEADLINE_S, call, live_app, save_tiny_chat, shown, texts, warnings_of
 

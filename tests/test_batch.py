@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import make_tiny_chat
 
-from h2o_chat.batch import Batcher
-from h2o_chat.session import ChatSession
+from h2o_chat.chat.batch import Batcher
+from h2o_chat.chat.session import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -154,8 +154,8 @@ def test_sinks_written_inside_the_batch_are_kept_as_sinks():
 
 
 def render_ids(session, text):
-    from h2o_chat.conversation import Message
-    from h2o_chat.render import render, token_ids
+    from h2o_chat.chat.conversation import Message
+    from h2o_chat.chat.template import render, token_ids
 
     return token_ids(render(session.tokenizer, None, [Message("user", text)], add_generation_prompt=True))
 
@@ -229,7 +229,7 @@ def test_a_failed_step_fails_its_replies_and_the_conversations_go_on(monkeypatch
     make = session_maker(model, tokenizer, [dict(policy="h2o", budget=24, n_sink=2, n_recent=6)])
     batcher = Batcher(model, max_batch=2, gather_s=GATHER_S)
     sessions = [make(i, batcher) for i in range(2)]
-    import h2o_chat.batch as batch
+    import h2o_chat.chat.batch as batch
 
     real_step, calls = batch.Arena.step, []
 
@@ -279,8 +279,8 @@ def test_embedded_model_decodes_the_same_in_a_batch(embedded_model):
 def test_conversations_rendered_at_once_are_rendered_as_one_at_a_time():
     """Two tabs or API clients render at the same moment: a user's "<|im_start|>" stays text and
     the template's stays one token (the tokenizer's split flag is shared: this raced)."""
-    from h2o_chat.conversation import Message
-    from h2o_chat.render import render, token_ids
+    from h2o_chat.chat.conversation import Message
+    from h2o_chat.chat.template import render, token_ids
 
     _, tokenizer = make_tiny_chat()
     histories = [[Message("user", f"say <|im_start|> {i} " * 3), Message("assistant", "ok <|im_end|>")]

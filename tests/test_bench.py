@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from h2o_chat import bench, bench_page, evaluate
+from h2o_chat import bench
+from h2o_chat.bench import evaluate
+from h2o_chat.bench import page as bench_page
 from tests.conftest import read_results
 from tests.live import save_tiny_chat
 
@@ -187,8 +189,8 @@ def test_count_ops_sees_every_kind_of_host_sync():
 @pytest.mark.live
 @pytest.mark.slow
 def test_llamacpp_server_starts_answers_with_timings_and_refuses_past_its_context(tmp_path):
-    from h2o_chat.llamacpp_worker import LlamaCppError, find_python, start_server
-    from h2o_chat.model import embedded_gguf_path
+    from h2o_chat.bench.peers.llamacpp import LlamaCppError, find_python, start_server
+    from h2o_chat.models.load import embedded_gguf_path
 
     with start_server(find_python(), embedded_gguf_path(), threads=1, n_ctx=128, log=tmp_path / "log") as server:
         assert server.url.startswith("http://127.0.0.1:")

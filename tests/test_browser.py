@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from h2o_chat.bench_page import apply_settings
+from h2o_chat.bench.page import apply_settings
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, live_app, never_ending
 

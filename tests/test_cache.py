@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from h2o_chat import H2OCache, scoring
-from h2o_chat.cache import KEY
-from h2o_chat.scoring import grouped_attention
+from h2o_chat import H2OCache
+from h2o_chat.cache import scoring
+from h2o_chat.cache.h2o import KEY
+from h2o_chat.cache.scoring import grouped_attention
 from tests import reference
 from tests.conftest import make_tiny_llama
 from tests.reference import ReferenceH2O
@@ -323,7 +324,7 @@ def test_eviction_ties_keep_the_newer_token():
     ids = torch.tensor([[[0, 5, 3, 1, 4, 2]]])
     priority = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0]]])
     protected = ids == 0
-    from h2o_chat.policy import select_keep, select_victim
+    from h2o_chat.cache.policy import select_keep, select_victim
 
     assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
     assert select_victim(ids, priority, protected).tolist() == [[3]]  # token 1, the oldest tie

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pytest
 
 from h2o_chat import CHOICES, CacheConfig, ChatSession, Conversation, Message, Sampling, Settings
-from h2o_chat.conversation import cache_config, sampling
-from h2o_chat.policy import POLICIES, SCORES
+from h2o_chat.cache.config import POLICIES, SCORES
+from h2o_chat.chat.conversation import cache_config, sampling
 
 
 def a_conversation():

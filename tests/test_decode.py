@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from h2o_chat import H2OCache
-from h2o_chat.decode import Decoder
+from h2o_chat.models.decode import Decoder
 from tests.conftest import make_tiny_llama
 
 POLICY_SCORES = [("full", "sum"), ("window", "sum"), ("sink", "sum"), ("h2o", "sum"), ("h2o", "mean"), ("h2o", "decay")]

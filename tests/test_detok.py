@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from h2o_chat.detok import Detokenizer
+from h2o_chat.chat.detok import Detokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

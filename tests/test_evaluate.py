@@ -1,4 +1,4 @@
-"""`python -m h2o_chat.evaluate ppl` and `summarize` end to end on the tiny model: the outputs
+"""`python -m h2o_chat.bench.evaluate ppl` and `summarize` end to end on the tiny model: the outputs
 parse and have the rows they should. The figures are measurements, not asserted."""
 
 import json
@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from h2o_chat import evaluate
-from h2o_chat.bench import make_cache
+from h2o_chat.bench import evaluate, make_cache
 from tests.conftest import make_tiny_llama, read_results
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,12 +20,13 @@ import torch
 from gradio_client import Client
 from transformers import DynamicCache
 
-import h2o_chat.ui_state as ui_state
-from h2o_chat import ChatSession, H2OCache, store
-from h2o_chat import session as session_mod
-from h2o_chat.conversation import Message
-from h2o_chat.model import load_model
-from h2o_chat.session import GenerationError
+import h2o_chat.ui.state as ui_state
+from h2o_chat import ChatSession, H2OCache
+from h2o_chat.chat import session as session_mod
+from h2o_chat.chat import store
+from h2o_chat.chat.conversation import Message
+from h2o_chat.chat.session import GenerationError
+from h2o_chat.models.load import load_model
 from tests.conftest import make_tiny_chat
 from tests.live import (
     CALL_DEADLINE_S,

@@ -1,6 +1,6 @@
 """`evaluate compress` and the kvpress arm of `bench dialogue`, end to end on the tiny models, and
 the bridge to kvpress's own venv. Tests that need that venv run only when $H2O_KVPRESS_PYTHON
-names its python (see h2o_chat/kvpress_worker.py for how to make it); the rest run anywhere."""
+names its python (see h2o_chat/bench/peers/kvpress.py for how to make it); the rest run anywhere."""
 
 import math
 import sys
@@ -8,8 +8,10 @@ import sys
 import pytest
 import torch
 
-from h2o_chat import bench, evaluate, kvpress_worker
-from h2o_chat.model import load_model
+from h2o_chat import bench
+from h2o_chat.bench import evaluate
+from h2o_chat.bench.peers import kvpress as kvpress_worker
+from h2o_chat.models.load import load_model
 from tests.conftest import read_results
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

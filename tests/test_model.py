@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-import h2o_chat.model as model_mod
-from h2o_chat.model import (
+import h2o_chat.models.load as model_mod
+from h2o_chat.models.load import (
     EMBEDDED_INSTALL,
     SUPPORTED_MODEL_TYPES,
     ModelLoadError,
@@ -120,7 +120,7 @@ def test_trust_remote_code_only_passed_when_asked(tiny_model_dir, monkeypatch):
 
 def test_generates_with_h2o_cache(tiny_model_dir):
     try:
-        from h2o_chat.cache import H2OCache
+        from h2o_chat.cache.h2o import H2OCache
     except ImportError:
         pytest.skip("h2o_chat.cache is not written yet")
     model, tokenizer = load_model(tiny_model_dir, device="cpu")

@@ -51,7 +51,7 @@ def test_console_scripts_name_functions_that_exist():
 
 
 def test_the_app_reads_its_css_and_script_from_the_checkouts_assets_folder():
-    from h2o_chat import ui
+    from h2o_chat.ui import page as ui
 
     assert ui.CHECKOUT_ASSETS == REPO / "assets"
     assert ui.CSS == (REPO / "assets" / "app.css").read_text(encoding="utf-8")
@@ -60,7 +60,7 @@ def test_the_app_reads_its_css_and_script_from_the_checkouts_assets_folder():
 
 
 def test_a_missing_asset_names_both_places_it_was_looked_for():
-    from h2o_chat import ui
+    from h2o_chat.ui import page as ui
 
     with pytest.raises(FileNotFoundError, match=r"'nope.css' is neither in the installed package .* nor in the "
                                                  r"checkout"):
@@ -98,7 +98,7 @@ def test_an_installed_package_finds_its_css_and_script(tmp_path):
     assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js"} <= set(names)
     assert not [n for n in names if n.endswith(".png") or n.startswith("assets/")]  # the README's, not the app's
     # the unpacked wheel, first on the path, is what an installed h2o-chat imports, run from elsewhere
-    probe = ("import h2o_chat, h2o_chat.ui as ui; print(h2o_chat.__file__); "
+    probe = ("import h2o_chat, h2o_chat.ui.page as ui; print(h2o_chat.__file__); "
              "print(len(ui.read_asset('app.css')), len(ui.read_asset('app.js')))")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,

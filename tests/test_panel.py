@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from h2o_chat import ChatSession, panel
+from h2o_chat import ChatSession
+from h2o_chat.ui import draw as panel
 from tests.conftest import make_tiny_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

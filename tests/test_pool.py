@@ -1,4 +1,4 @@
-"""The API's pool of live conversations (h2o_chat/pool.py), without a server: the routes that use
+"""The API's pool of live conversations (h2o_chat/serve/pool.py), without a server: the routes that use
 it are driven in test_api.py."""
 
 import threading
@@ -7,7 +7,7 @@ import time
 import pytest
 
 from h2o_chat import ChatSession
-from h2o_chat.pool import LENT_WAIT_S, SessionPool
+from h2o_chat.serve.pool import LENT_WAIT_S, SessionPool
 from tests.conftest import make_tiny_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -18,9 +18,10 @@ from gradio_client import Client
 
 import app as app_main
 import h2o_chat
-import h2o_chat.model as model_mod
-from h2o_chat import ChatSession, store
-from h2o_chat.model import ModelLoadError, load_model
+import h2o_chat.models.load as model_mod
+from h2o_chat import ChatSession
+from h2o_chat.chat import store
+from h2o_chat.models.load import ModelLoadError, load_model
 from tests.conftest import make_tiny_chat
 from tests.live import call, free_port, live_app, save_tiny_chat, texts
 
@@ -321,7 +322,7 @@ UNSAFE_KEYWORDS = {("weights_only", False), ("allow_pickle", True)}
 
 
 @pytest.mark.parametrize("path", sorted(p.relative_to(REPO).as_posix() for p in
-                                        [*REPO.glob("h2o_chat/*.py"), REPO / "app.py"]))
+                                        [*REPO.glob("h2o_chat/**/*.py"), REPO / "app.py"]))
 def test_the_code_never_unpickles(path):
     tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
     for node in ast.walk(tree):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from h2o_chat.conversation import Sampling
-from h2o_chat.sampler import Sampler
+from h2o_chat.chat.conversation import Sampling
+from h2o_chat.chat.sampler import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""The app's command line lives in h2o_chat.server; app.py is the checkout's shim onto it. Its
+"""The app's command line lives in h2o_chat.serve.cli; app.py is the checkout's shim onto it. Its
 defaults, and the UI's, are the ones the library declares (CacheConfig, Sampling, create_router)."""
 
 import inspect
@@ -6,9 +6,11 @@ import inspect
 import gradio as gr
 
 import app as app_main
-from h2o_chat import Sampling, server, ui_settings
-from h2o_chat.api import create_router
-from h2o_chat.policy import CacheConfig
+from h2o_chat import Sampling
+from h2o_chat.cache.config import CacheConfig
+from h2o_chat.serve import cli as server
+from h2o_chat.serve.api import create_router
+from h2o_chat.ui import settings as ui_settings
 
 
 def test_app_py_is_the_server_module():

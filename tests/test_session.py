@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from h2o_chat import ChatSession, Settings, store
-from h2o_chat import timeline as timeline_mod
-from h2o_chat.ledger import Ledger
+from h2o_chat import ChatSession, Settings
+from h2o_chat.chat import store
+from h2o_chat.chat import timeline as timeline_mod
+from h2o_chat.chat.ledger import Ledger
 from tests.live import deadline, never_ending
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from h2o_chat import Conversation, Message, store
+from h2o_chat import Conversation, Message
+from h2o_chat.chat import store
 
 
 def saved(folder, text="hello", **fields):

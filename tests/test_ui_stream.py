@@ -4,9 +4,9 @@ cores as the decode, so these are properties of the app (bench panel measures wh
 
 import pytest
 
-from h2o_chat import ui_chat
-from h2o_chat.ui import build
-from h2o_chat.ui_state import CHAT_EVERY_S, PANEL_EVERY_S, new_view
+from h2o_chat.ui import chat as ui_chat
+from h2o_chat.ui.page import build
+from h2o_chat.ui.state import CHAT_EVERY_S, PANEL_EVERY_S, new_view
 from tests.conftest import make_tiny_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

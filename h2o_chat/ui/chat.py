@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .ui_state import CHAT_EVERY_S, PANEL_EVERY_S, warn
+from .state import CHAT_EVERY_S, PANEL_EVERY_S, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from . import store
-from .session import ChatSession
+from ..chat import store
+from ..chat.session import ChatSession
 
 # How often a streaming reply updates the page. The browser redraws each update and, on a small
 # machine, shares the cores with the decode: in headless chromium on 2 cores, the chat at every

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from .conversation import Sampling
-from .session import ChatSession
-from .ui_state import number, warn
+from ..chat.conversation import Sampling
+from ..chat.session import ChatSession
+from .state import number, warn
 
 
 @dataclass

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import gradio as gr
 import pandas as pd
 
-from . import panel as render
-from .policy import CacheConfig
-from .ui_state import pinned_turns, warn
+from ..cache.config import CacheConfig
+from . import draw as render
+from .state import pinned_turns, warn
 
 CHART_COLUMNS = ["tokens seen", "cache", "KV MiB", "slots per head"]
 COLOR_MAP = {render.SERIES[0]: "#0072B2", render.SERIES[1]: "#E69F00"}

@@ -1,4 +1,4 @@
-"""`python -m h2o_chat.bench_api`: one long chat through the OpenAI API, h2o-chat's `/v1` against
+"""`python -m h2o_chat.bench.api`: one long chat through the OpenAI API, h2o-chat's `/v1` against
 llama.cpp's server on the same GGUF (xllamacpp in its own venv, started by llamacpp_worker).
 
 Each arm is a server in its own process, driven by the same client code (the `openai` client,
@@ -8,7 +8,7 @@ says it did not recompute), decode tokens/s (after the first text), or the error
 llama.cpp runs with the model's 8,192-token context and its defaults (prompt cache on, context
 shift off); h2o-chat with app.py's defaults (budget 512, rolling positions).
 
-Time it alone: `flock -x /tmp/h2o-cpu.lock python -m h2o_chat.bench_api`.
+Time it alone: `flock -x /tmp/h2o-cpu.lock python -m h2o_chat.bench.api`.
 """
 
 import argparse
@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import llamacpp_worker
-from .llamacpp_worker import free_port
+from .peers import llamacpp as llamacpp_worker
+from .peers.llamacpp import free_port
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench.jsonl"
-REPO = Path(__file__).resolve().parent.parent
+MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench.jsonl"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_healthy(url, process, deadline_s=600):
@@ -113,10 +113,10 @@ def main(argv=None):
         sys.exit(f"bench_api: no MT-Bench file at {args.data} (give --data)")
     import httpx
 
-    from .model import embedded_gguf_path
+    from ..models.load import embedded_gguf_path
 
     turns = user_turns(args.data, args.turns)
-    results = {"meta": {"command": "python -m h2o_chat.bench_api " + " ".join(argv or sys.argv[1:]),
+    results = {"meta": {"command": "python -m h2o_chat.bench.api " + " ".join(argv or sys.argv[1:]),
                         "turns": args.turns, "max_tokens": args.max_tokens, "threads": args.threads,
                         "n_ctx_llamacpp": args.n_ctx, "h2o_args": args.h2o_args}, "arms": {}}
     for arm in args.arms.split(","):

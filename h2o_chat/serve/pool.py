@@ -16,8 +16,8 @@ import os
 import threading
 import time
 
-from .render import Segment, tokenize
-from .session import ChatSession, cache_config
+from ..chat.session import ChatSession, cache_config
+from ..chat.template import Segment, tokenize
 
 # a ChatSession holds its live cache and, after `send`, at most three snapshots of it (before the
 # last reply, before this exchange, after this prompt): the pool counts every session at that bound

@@ -30,13 +30,15 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from . import bench_concurrent, kvpress_worker, llamacpp_worker
-from .cache import H2OCache
-from .decode import Decoder
-from .model import embedded_gguf_path, load_model
-from .session import ChatSession
+from ..cache.h2o import H2OCache
+from ..chat.session import ChatSession
+from ..models.decode import Decoder
+from ..models.load import embedded_gguf_path, load_model
+from . import concurrent as bench_concurrent
+from .peers import kvpress as kvpress_worker
+from .peers import llamacpp as llamacpp_worker
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def read_input(path):
@@ -594,8 +596,9 @@ def cmd_prefill_speed(args):
 
 
 def cmd_panel(args):
-    from . import bench_page, panel
-    from .ui_state import CHAT_EVERY_S, PANEL_EVERY_S
+    from ..ui import draw as panel
+    from ..ui.state import CHAT_EVERY_S, PANEL_EVERY_S
+    from . import page as bench_page
 
     model, tokenizer = load_model(args.model)
     rows = []
@@ -834,5 +837,3 @@ def main(argv=None):
     args.run(args)
 
 
-if __name__ == "__main__":
-    main()

@@ -24,9 +24,9 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .conversation import Sampling, cache_config
+from ..chat.conversation import Sampling, cache_config
+from ..chat.session import ChatSession, GenerationError, check_text
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
-from .session import ChatSession, GenerationError, check_text
 
 ROLES = ("system", "developer", "user", "assistant")
 CACHE_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions")

@@ -1,4 +1,4 @@
-"""Quality evaluations: `python -m h2o_chat.evaluate SUBCOMMAND`.
+"""Quality evaluations: `python -m h2o_chat.bench.evaluate SUBCOMMAND`.
 
     ppl   streaming perplexity of a long text, the same tokens through each cache policy at
           several budgets (fractions of the span): full, window, sink (StreamingLLM), h2o with
@@ -29,8 +29,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from . import kvpress_worker
-from .bench import (
+from ..cache.config import CacheConfig
+from ..cache.h2o import H2OCache
+from ..models.load import load_model
+from . import (
     DATA_DIR,
     add_quick,
     apply_quick,
@@ -42,9 +44,7 @@ from .bench import (
     write_plot,
     write_results,
 )
-from .cache import H2OCache
-from .model import load_model
-from .policy import CacheConfig
+from .peers import kvpress as kvpress_worker
 
 PPL_METHODS = ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"]
 
@@ -359,7 +359,7 @@ def cmd_compress(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser, shared = base_parser("python -m h2o_chat.evaluate", __doc__)
+    parser, shared = base_parser("python -m h2o_chat.bench.evaluate", __doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("ppl", parents=[shared], help="streaming perplexity per policy and budget, then past the model's context")
     p.add_argument("--text", default=str(DATA_DIR / "tinyshakespeare.txt"), help="any UTF-8 text file")
@@ -410,7 +410,7 @@ def main(argv=None):
     p.set_defaults(run=cmd_compress)
     args = parser.parse_args(argv)
     apply_quick(args, argv)
-    args.command_line = "python -m h2o_chat.evaluate " + " ".join(argv)
+    args.command_line = "python -m h2o_chat.bench.evaluate " + " ".join(argv)
     args.run(args)
 
 

@@ -1,18 +1,7 @@
-"""Which cache slots to keep: the configuration of a cache policy and pure tensor functions.
-
-Every policy is the same rule with different knobs. A layer keeps, per batch row and KV head,
-`budget` slots:
-  - protected slots, always kept: the first `n_sink` tokens (attention sinks), pinned tokens,
-    and the `n_recent` newest tokens (the recent window);
-  - the rest of the budget goes to the unprotected slots of highest *priority*: the
-    heavy-hitter score for `h2o`, recency for `window` and `sink` (so those two simply keep
-    the newest tokens that fit).
-`full` never evicts. Ties in priority keep the newer token, so the choice is deterministic.
-"""
+"""The cache's settings: `CacheConfig`, the one declaration of every cache setting and its
+default, and `Budget`, its slot counts once resolved for a prompt."""
 
 from dataclasses import dataclass
-
-import torch
 
 POLICIES = ("full", "window", "sink", "h2o")
 SCORES = ("sum", "mean", "decay")
@@ -160,49 +149,3 @@ class Budget:
     @property
     def n_heavy(self) -> int:
         return 0 if self.budget is None else self.budget - self.n_sink - self.n_recent
-
-
-def protection_key(slot_token_ids, n_sink, pins=()):
-    """[batch, kv_heads, slots], the slot token ids' dtype: what a slot's protection is decided by.
-    A slot is protected while `key >= n_seen - n_recent`: the key is the token id (so it leaves
-    the recent window as the conversation moves on) or, for sinks and pinned tokens, the dtype's
-    largest value (protected for good). Kept beside each slot, it makes the per-step test one
-    comparison with one number.
-
-    pins: list of absolute [start, end) token ranges."""
-    fixed = slot_token_ids < n_sink
-    for start, end in pins:
-        fixed |= (slot_token_ids >= start) & (slot_token_ids < end)
-    return torch.where(fixed, torch.iinfo(slot_token_ids.dtype).max, slot_token_ids)
-
-
-def protected_mask(slot_token_ids, n_seen, n_sink, n_recent, pins=()):
-    """[batch, kv_heads, slots] bool: slots that must be kept whatever their score.
-
-    n_seen: tokens seen so far (the newest token's index is n_seen - 1);
-    pins: list of absolute [start, end) token ranges.
-    """
-    return protection_key(slot_token_ids, n_sink, pins) >= n_seen - n_recent
-
-
-def select_keep(slot_token_ids, priority, protected, budget):
-    """Slots to keep, [batch, kv_heads, budget], ordered by token index.
-
-    Protected slots first, then unprotected slots by priority (higher kept), ties keeping the
-    newer token. Callers guarantee protected.sum(-1) <= budget.
-    """
-    by_newest = slot_token_ids.argsort(dim=-1, descending=True)
-    key = torch.where(protected, torch.inf, priority.double()).gather(-1, by_newest)
-    # A stable sort on the key of slots already ordered newest-first breaks ties towards newer.
-    order = by_newest.gather(-1, key.argsort(dim=-1, descending=True, stable=True))[..., :budget]
-    return order.gather(-1, slot_token_ids.gather(-1, order).argsort(dim=-1))
-
-
-def select_victim(slot_token_ids, priority, protected):
-    """The one slot to evict per row and head, [batch, kv_heads]: the unprotected slot of lowest
-    priority, the older token on ties. This is `select_keep` for budget = slots - 1, in two
-    reductions instead of a sort: it runs once per generated token per layer."""
-    top = torch.inf if priority.is_floating_point() else torch.iinfo(priority.dtype).max
-    key = torch.where(protected, top, priority)
-    is_min = key == key.amin(dim=-1, keepdim=True)
-    return torch.where(is_min, slot_token_ids, torch.iinfo(slot_token_ids.dtype).max).argmin(dim=-1)

@@ -39,7 +39,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
-from .policy import Budget, CacheConfig, protection_key, select_keep
+from .config import Budget, CacheConfig
+from .policy import protection_key, select_keep
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

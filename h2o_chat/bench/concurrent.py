@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from .bench_api import start_h2o, wait_healthy
-from .llamacpp_worker import free_port
+from .api import start_h2o, wait_healthy
+from .peers.llamacpp import free_port
 
 
 def stream_turn(client, model, messages, max_tokens):

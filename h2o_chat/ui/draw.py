@@ -17,7 +17,7 @@ import io
 import torch
 from PIL import Image
 
-from .policy import CacheConfig
+from ..cache.config import CacheConfig
 
 # status -> colour; strength (the share of the view's heads keeping the token) sets opacity
 COLORS = {"sink": "#CC79A7", "pinned": "#009E73", "heavy": "#E69F00", "kept": "#F0E442",

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import H2OCache
-from .decode import Decoder
+from ..cache.h2o import H2OCache
+from ..models.decode import Decoder
 from .ledger import Ledger
-from .render import token_ids
+from .template import token_ids
 
 MAX_SNAPSHOTS = 4  # before the last two exchanges and their replies: undo, regenerate, re-tokenized replies
 

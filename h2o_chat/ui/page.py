@@ -11,14 +11,16 @@ from pathlib import Path
 
 import gradio as gr
 
-from . import ui_chat, ui_panel, ui_settings
-from .conversation import cache_config
-from .ui_state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
+from ..chat.conversation import cache_config
+from . import chat as ui_chat
+from . import panel as ui_panel
+from . import settings as ui_settings
+from .state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
 # assets/ and ships only its *.css and *.js), so both places are looked in, the installed one first.
-CHECKOUT_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CHECKOUT_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 def read_asset(name):

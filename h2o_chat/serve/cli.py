@@ -15,8 +15,8 @@ DEFAULT_CONCURRENCY = 4
 
 
 def parse_args(argv=None):
-    from .conversation import CHOICES  # what the session layer offers
-    from .policy import CacheConfig
+    from ..cache.config import CacheConfig
+    from ..chat.conversation import CHOICES  # what the session layer offers
     from .pool import MAX_IDLE_KV_MIB
 
     cache = CacheConfig()  # the cache flags' defaults are the dataclass's: declared once, there
@@ -57,8 +57,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from . import CacheConfig, ModelLoadError, load_model
-    from .ui import CSS, HEAD, build
+    from .. import CacheConfig, ModelLoadError, load_model
+    from ..ui.page import CSS, HEAD, build
 
     cache = dict(policy=args.policy, budget=args.budget, n_recent=args.n_recent, n_sink=args.n_sink,
                  score=args.score, positions=args.positions)
@@ -79,7 +79,7 @@ def main(argv=None):
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
     except (ValueError, ModelLoadError) as e:
         sys.exit(f"h2o-chat: {e}")
-    from .batch import Batcher
+    from ..chat.batch import Batcher
     batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
     demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher)
     demo.queue(default_concurrency_limit=args.concurrency)

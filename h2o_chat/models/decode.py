@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from .cache import rotate_half  # transformers' own, op for op
+from ..cache.h2o import rotate_half  # transformers' own, op for op
 
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load: cos/sin from it are HF's
 

@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-from .bench_api import wait_healthy
-from .llamacpp_worker import free_port
+from .api import wait_healthy
+from .peers.llamacpp import free_port
 
 CHROMIUM = shutil.which("chromium")
 WAIT_MS = 300_000
@@ -46,7 +46,7 @@ def page_speed(model, budget, turns, new_tokens, app_dir=None):
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     with tempfile.TemporaryDirectory() as data_dir:
-        command = [sys.executable, "-m", "h2o_chat.server", "--port", str(port), "--data-dir", data_dir,
+        command = [sys.executable, "-m", "h2o_chat.serve.cli", "--port", str(port), "--data-dir", data_dir,
                    "--budget", str(budget)] + (["--model", model] if model else [])
         app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=app_dir)
         try:

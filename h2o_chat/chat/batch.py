@@ -31,8 +31,8 @@ from types import SimpleNamespace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import IDS, KEY, N_META, attend_and_replace, make_step, score_dtype
-from .decode import Decoder
+from ..cache.h2o import IDS, KEY, N_META, attend_and_replace, make_step, score_dtype
+from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
 IDLE_STEPS = 8  # steps a conversation may sit out before its row is handed back

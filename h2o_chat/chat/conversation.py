@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .policy import POLICIES, POSITIONS, SCORES, CacheConfig
+from ..cache.config import POLICIES, POSITIONS, SCORES, CacheConfig
 
 ROLES = ("user", "assistant")
 CHOICES = {"policy": POLICIES, "score": SCORES, "positions": POSITIONS}

@@ -1,0 +1,5 @@
+"""`python -m h2o_chat.bench SUBCOMMAND`."""
+
+from . import main
+
+main()
