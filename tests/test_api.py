@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import app as app_main
-import h2o_chat
+import h2o_chat.models.load
 from h2o_chat import ChatSession
 from h2o_chat.chat import store
 from h2o_chat.chat.batch import Batcher
@@ -443,7 +443,7 @@ def app_server(monkeypatch, tmp_path):
             original_launch(demo, **kwargs, prevent_thread_lock=True, quiet=True)
 
         monkeypatch.setattr(gr.Blocks, "launch", launch)
-        monkeypatch.setattr(h2o_chat, "load_model", lambda spec, **kwargs: make_tiny_chat())
+        monkeypatch.setattr(h2o_chat.models.load, "load_model", lambda spec, **kwargs: make_tiny_chat())
         port = free_port()
         app_main.main(argv + ["--port", str(port), "--data-dir", str(tmp_path)])
         return f"http://127.0.0.1:{port}"

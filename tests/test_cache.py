@@ -302,8 +302,8 @@ def test_a_model_switched_to_h2o_still_works_with_dynamic_cache():
     (dict(policy="lru"), "unknown policy 'lru'"),
     (dict(score="max"), "unknown score 'max'"),
     (dict(positions="relative"), "unknown positions 'relative'"),
-    (dict(prefill_chunk=0), "prefill_chunk must be at least 1"),
-    (dict(n_sink=-1), "n_sink must be a non-negative integer"),
+    (dict(prefill_chunk=0), r"prefill_chunk must be in \[1, inf\]"),
+    (dict(n_sink=-1), r"n_sink must be in \[0, inf\]"),
     (dict(budget=64, n_recent=0.5), "n_recent may be a fraction only"),
     (dict(decay=0.0), "decay must be in"),
 ])

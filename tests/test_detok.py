@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from h2o_chat.chat.detok import Detokenizer
+from h2o_chat.chat.detok import Detokenizer, StopStrings, cut_at_stop
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -102,3 +102,18 @@ def test_work_per_token_is_bounded(embedded_model):
     text = "".join(detok.push(t) for t in ids) + detok.finish()
     assert text == tok.decode(ids)
     assert len(ids) > 300 and decoded[0] <= 4 * len(ids)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+def test_stop_strings_over_any_split_give_the_text_before_the_first_stop(split):
+    """The one matcher the chat, the API and the evaluations share: pieces of any size give the
+    text before the earliest stop string, and nothing of a stop string is ever handed out."""
+    text = "Once upon a time ##\nUser: more ab the end"
+    cut = StopStrings(STOPS)
+    shown = []
+    for i in range(0, len(text), split):
+        cut.feed(text[i : i + split])
+        shown.append(cut.take())
+    shown.append(cut.take(final=True))
+    assert "".join(shown) == cut.text == cut_at_stop(text, STOPS) == "Once upon a time ##"
+    assert cut.hit and cut_at_stop(text, ()) == text and cut_at_stop("no stop", STOPS) == "no stop"

@@ -17,7 +17,6 @@ import transformers.dynamic_module_utils
 from gradio_client import Client
 
 import app as app_main
-import h2o_chat
 import h2o_chat.models.load as model_mod
 from h2o_chat import ChatSession
 from h2o_chat.chat import store
@@ -54,7 +53,7 @@ def launched(monkeypatch):
         return calls
 
     original_launch = gr.Blocks.launch
-    monkeypatch.setattr(h2o_chat, "load_model", fake_load)
+    monkeypatch.setattr(model_mod, "load_model", fake_load)
     yield run
     if "demo" in calls:
         calls["demo"].close()
@@ -133,7 +132,7 @@ def guarded(tmp_path_factory):
     store.save(data, "secret-session", {"messages": [{"role": "user", "content": SECRET}]})
     calls = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(h2o_chat, "load_model", lambda spec, **kwargs: make_tiny_chat())
+        mp.setattr(model_mod, "load_model", lambda spec, **kwargs: make_tiny_chat())
         original_launch = gr.Blocks.launch
 
         def launch(demo, **kwargs):

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from ..cache.config import CacheConfig
 from ..cache.h2o import H2OCache
+from ..chat.detok import cut_at_stop
 from ..models.load import load_model
 from . import (
     DATA_DIR,
@@ -189,14 +190,6 @@ def read_requests(path, limit=None):
     return requests[:limit] if limit else requests
 
 
-def cut_at_stop(text, stop):
-    """The text before the first of the stop strings (as the authors' scorer cuts it)."""
-    for s in stop or []:
-        if s in text:
-            text = text[: text.index(s)]
-    return text.strip()
-
-
 @torch.no_grad()
 def summarize_one(model, tokenizer, ids, cache, request, args, seed):
     """Generate a summary of a tokenized prompt ids [1, n] with `cache`: greedy when the
@@ -212,7 +205,7 @@ def summarize_one(model, tokenizer, ids, cache, request, args, seed):
                          stop_strings=stop or None, tokenizer=tokenizer if stop else None,
                          pad_token_id=model.generation_config.pad_token_id or 0, **sampling)
     new = out[0, ids.shape[1] :]
-    return cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), stop), len(new)
+    return cut_at_stop(tokenizer.decode(new, skip_special_tokens=True), stop or ()).strip(), len(new)
 
 
 def cmd_summarize(args):

@@ -1,11 +1,55 @@
-"""The cache's settings: `CacheConfig`, the one declaration of every cache setting and its
-default, and `Budget`, its slot counts once resolved for a prompt."""
+"""The cache's settings: `CacheConfig`, the one declaration of every cache setting (its default,
+bounds and help), and `Budget`, its slot counts once resolved for a prompt.
 
-from dataclasses import dataclass
+A setting is a dataclass field made by `setting()`: its metadata holds the help text, the label
+the page shows and the bounds or choices, which `check_fields` enforces. The command line, the
+`/v1` API and the page read them from here (`APP_FIELDS` are the ones a user of the app sets), so
+a setting is described once.
+"""
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields
 
 POLICIES = ("full", "window", "sink", "h2o")
 SCORES = ("sum", "mean", "decay")
 POSITIONS = ("absolute", "rolling")
+
+
+def setting(default, help, label=None, choices=None, low=None, high=None, low_open=False, integer=False):
+    """A dataclass field with its help text, page label and bounds (see check_fields)."""
+    return field(default=default, metadata=dict(help=help, label=label, choices=choices, low=low, high=high,
+                                                low_open=low_open, integer=integer))
+
+
+def check_number(name, value, low=None, high=None, integer=False, low_open=False):
+    """A real number (bools, text, NaN refused) within [low, high] ((low, high] with low_open); a
+    whole one when `integer`, returned as an int. ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if integer:
+        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+        value = int(value)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
+        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+    return value
+
+
+def check_fields(obj, names=None):
+    """Check (and normalise: whole floats of integer fields become ints) the fields of the
+    dataclass `obj` that declare choices or bounds; `names` limits it to those."""
+    for f in fields(obj):
+        meta, value = f.metadata, getattr(obj, f.name)
+        if not meta or (names is not None and f.name not in names) or value is None and f.default is None:
+            continue
+        if meta["choices"] is not None:
+            if value not in meta["choices"]:
+                raise ValueError(f"unknown {f.name} {value!r}; choose one of {', '.join(meta['choices'])}")
+        elif meta["low"] is not None or meta["high"] is not None or meta["integer"]:
+            setattr(obj, f.name, check_number(f.name, value, meta["low"], meta["high"], meta["integer"],
+                                              meta["low_open"]))
 
 
 def _is_fraction(x) -> bool:
@@ -59,25 +103,30 @@ class CacheConfig:
         `n_sink + n_recent` over an int budget.
     """
 
-    policy: str = "h2o"
-    budget: int | float = 512
-    n_sink: int = 4
-    n_recent: int | float | None = None
-    score: str = "sum"
-    decay: float = 0.9
-    positions: str = "rolling"
-    prefill_chunk: int = 256
+    policy: str = setting("h2o", "what fills the budget: heavy hitters and the newest tokens (h2o), the sinks and "
+                          "the newest (sink, StreamingLLM), the newest only (window), everything (full)",
+                          label="Policy", choices=POLICIES)
+    budget: int | float = setting(512, "KV slots per layer and KV head", label="Budget (slots)")
+    n_sink: int = setting(4, "first tokens always kept (attention sinks)", label="Sinks", low=0, integer=True)
+    n_recent: int | float | None = setting(None, "newest tokens always kept (default: half of what the sinks leave)",
+                                           label="Recent window (0 = half)", low=0)
+    score: str = setting("sum", "how attention adds up into a token's score: summed (the paper), mean per query "
+                         "that saw it, or exponentially decayed", label="Score", choices=SCORES)
+    decay: float = setting(0.9, "the factor of score='decay'", low=0, high=1, low_open=True)
+    positions: str = setting("rolling", "RoPE positions of kept keys: rolling re-lays them so a chat can outlive "
+                             "the model's context; absolute keeps them where they were written",
+                             label="Positions", choices=POSITIONS)
+    prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
 
     def __post_init__(self):
+        try:
+            check_fields(self)
+        except ValueError as e:
+            raise ValueError(f"H2OCache: {e}") from None
+
         def bad(msg):
             raise ValueError(f"H2OCache: {msg}")
 
-        if self.policy not in POLICIES:
-            bad(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.score not in SCORES:
-            bad(f"unknown score {self.score!r}; choose one of {', '.join(SCORES)}")
-        if self.positions not in POSITIONS:
-            bad(f"unknown positions {self.positions!r}; choose one of {', '.join(POSITIONS)}")
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             bad(f"budget must be a number of slots or a fraction in (0, 1), got {b!r}")
@@ -88,22 +137,11 @@ class CacheConfig:
                 self.budget = b = int(b)
             elif not _is_fraction(b):
                 bad(f"budget must be a whole number of slots or a fraction in (0, 1), got {b!r}")
-        for name in ("n_sink", "prefill_chunk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                bad(f"{name} must be a non-negative integer, got {v!r}")
-        if self.prefill_chunk < 1:
-            bad("prefill_chunk must be at least 1")
         r = self.n_recent
-        if r is not None:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or r < 0:
-                bad(f"n_recent must be a non-negative number, got {r!r}")
-            if isinstance(r, float) and not (_is_fraction(r) and _is_fraction(b)):
-                bad(f"n_recent may be a fraction only when budget is one too, got {r!r}")
+        if isinstance(r, float) and not (_is_fraction(r) and _is_fraction(b)):
+            bad(f"n_recent may be a fraction only when budget is one too, got {r!r}")
         if isinstance(b, int) and self.policy != "full" and self.n_sink_effective + (r or 0) > b:
             bad(f"n_sink + n_recent ({self.n_sink_effective} + {r}) exceeds the budget ({b})")
-        if not (0.0 < self.decay <= 1.0):
-            bad(f"decay must be in (0, 1], got {self.decay!r}")
 
     @property
     def n_sink_effective(self) -> int:
@@ -149,3 +187,8 @@ class Budget:
     @property
     def n_heavy(self) -> int:
         return 0 if self.budget is None else self.budget - self.n_sink - self.n_recent
+
+
+# The settings a user of the app changes (its flags, the page's Cache fields, the API's "h2o" object);
+# decay and prefill_chunk stay the library's.
+APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions")

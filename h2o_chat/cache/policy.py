@@ -27,15 +27,6 @@ def protection_key(slot_token_ids, n_sink, pins=()):
     return torch.where(fixed, torch.iinfo(slot_token_ids.dtype).max, slot_token_ids)
 
 
-def protected_mask(slot_token_ids, n_seen, n_sink, n_recent, pins=()):
-    """[batch, kv_heads, slots] bool: slots that must be kept whatever their score.
-
-    n_seen: tokens seen so far (the newest token's index is n_seen - 1);
-    pins: list of absolute [start, end) token ranges.
-    """
-    return protection_key(slot_token_ids, n_sink, pins) >= n_seen - n_recent
-
-
 def select_keep(slot_token_ids, priority, protected, budget):
     """Slots to keep, [batch, kv_heads, budget], ordered by token index.
 

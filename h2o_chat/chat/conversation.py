@@ -4,9 +4,9 @@
       messages: [Message(role "user" | "assistant", content, pinned)]
       settings: Settings(cache: CacheConfig, sampling: Sampling, system_prompt: str | None)
 
-Every setting is declared once, here (Sampling) or in policy.CacheConfig, with its default and
-its check; everything else (ChatSession, the UI, the saved file) reads it from there. `CHOICES`
-are the values the UI offers for the settings that are a choice.
+Every setting is declared once, here (Sampling) or in cache.config.CacheConfig, with its default,
+bounds and help; everything else (ChatSession, the page, the API, the saved file) reads it from
+there. `CHOICES` are the values of the cache settings that are a choice.
 
 `record()` / `Conversation.from_record()` are the JSON round trip (the file layout, format 2):
 
@@ -19,53 +19,36 @@ with revision 0. `revision` counts the writes the file has seen: a writer must h
 revision on disk to write (store.write), so two sessions never overwrite each other's turns.
 """
 
-import math
-import numbers
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from ..cache.config import POLICIES, POSITIONS, SCORES, CacheConfig
+from ..cache.config import CacheConfig, check_fields, setting
 
 ROLES = ("user", "assistant")
-CHOICES = {"policy": POLICIES, "score": SCORES, "positions": POSITIONS}
+CHOICES = {f.name: f.metadata["choices"] for f in fields(CacheConfig) if f.metadata.get("choices")}
 TITLE_WORDS = 8
-
-
-def _number(name, value, low=None, high=None, integer=False, low_open=False):
-    """A setting that must be a real number (bools, text, NaN refused) within bounds."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if integer:
-        if not isinstance(value, numbers.Integral) and not float(value).is_integer():
-            raise ValueError(f"{name} must be a whole number, got {value!r}")
-        value = int(value)
-    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
-        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
-        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
-    return value
 
 
 @dataclass
 class Sampling:
-    """How replies are drawn. temperature 0 means greedy."""
+    """How replies are drawn: the one declaration of every sampling setting (see cache.config.setting)."""
 
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 256
-    seed: int | None = None
+    temperature: float = setting(0.7, "randomness of replies (0 = greedy)", label="Temperature (0 = greedy)",
+                                 low=0, high=5)
+    top_p: float = setting(0.9, "draw from the likeliest tokens that together reach this probability",
+                           label="Top-p", low=0, high=1, low_open=True)
+    top_k: int = setting(0, "draw from the k likeliest tokens (0 = all)", label="Top-k", low=0, integer=True)
+    repetition_penalty: float = setting(1.0, "divides the logits of tokens already seen (1 = off)",
+                                        label="Repetition penalty", low=0, low_open=True)
+    max_new_tokens: int = setting(256, "the longest a reply may run, in tokens", label="Max new tokens",
+                                  low=1, integer=True)
+    seed: int | None = setting(None, "a fixed seed draws the same reply every time (None: random)", label="Seed",
+                               low=0, high=2**63 - 1, integer=True)
     stop: tuple = ()  # extra stop strings
 
     def __post_init__(self):
-        self.temperature = _number("temperature", self.temperature, 0, 5)
-        self.top_p = _number("top_p", self.top_p, 0, 1, low_open=True)
-        self.top_k = _number("top_k", self.top_k, 0, integer=True)
-        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0, low_open=True)
-        self.max_new_tokens = _number("max_new_tokens", self.max_new_tokens, 1, integer=True)
-        if self.seed is not None:
-            self.seed = _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+        check_fields(self)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")

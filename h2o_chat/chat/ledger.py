@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-STATUSES = ("sink", "pinned", "recent", "heavy", "kept", "evicted")
-
 
 @dataclass
 class Ledger:

@@ -509,7 +509,6 @@ class ChatSession:
     def _segments(self, add_generation_prompt=False, open_reply=True):
         return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply)
 
-    _render = _segments
 
     def _pins(self, segments):
         return turn_ranges(segments, {i for i, m in enumerate(self.messages) if m.pinned})

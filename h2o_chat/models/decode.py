@@ -23,9 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..cache.h2o import rotate_half  # transformers' own, op for op
-
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load: cos/sin from it are HF's
+from ..cache.h2o import STATIC_ROPE_TYPES, rotate_half  # rotate_half: transformers' own, op for op
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,7 @@ def unsupported(model):
     if getattr(text, "hidden_act", None) != "silu":
         return f"activation {getattr(text, 'hidden_act', None)!r}"
     rope = base.rotary_emb
-    if getattr(rope, "rope_type", "default") not in STATIC_ROPE:
+    if getattr(rope, "rope_type", "default") not in STATIC_ROPE_TYPES:  # inv_freq fixed at load: cos/sin from it are HF's
         return f"RoPE type {rope.rope_type!r}"
     if getattr(text, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"

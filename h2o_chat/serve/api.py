@@ -24,12 +24,13 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..cache.config import APP_FIELDS
 from ..chat.conversation import Sampling, cache_config
+from ..chat.detok import StopStrings
 from ..chat.session import ChatSession, GenerationError, check_text
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
 
 ROLES = ("system", "developer", "user", "assistant")
-CACHE_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions")
 DISCONNECT_POLL_S = 0.1  # how often a request waiting on its worker checks that its client is still there
 
 
@@ -169,10 +170,10 @@ def read_cache(body, defaults, n_system, n_chat):
     ext = body.get("h2o") or {}
     if not isinstance(ext, dict):
         raise ApiError(400, "h2o must be an object of cache settings", "h2o")
-    unknown = sorted(set(ext) - set(CACHE_FIELDS) - {"pinned"})
+    unknown = sorted(set(ext) - set(APP_FIELDS) - {"pinned"})
     if unknown:
         raise ApiError(400, f"unknown h2o setting {unknown[0]!r}; the settings are "
-                            f"{', '.join(CACHE_FIELDS)}, pinned", "h2o")
+                            f"{', '.join(APP_FIELDS)}, pinned", "h2o")
     cache = dict(defaults, **{k: v for k, v in ext.items() if k != "pinned"})
     try:
         cache_config(cache)  # checked with the rest of the body: a 400 before a worker starts
@@ -420,12 +421,12 @@ async def sse(events, job, shape, prompt_tokens, cached):
 def reply(session, job, emit):
     """Everything the API asks of a ChatSession: take the request's history (the system prompt
     is the session's own: the pool lends only sessions that have it), stream the reply through
-    StopText, emit ("start", prompt_tokens, cached_tokens) at the first text (the prompt has been
+    StopStrings, emit ("start", prompt_tokens, cached_tokens) at the first text (the prompt has been
     fed by then: the session feeds each reply token only after its text is out); returns the
     ("end", finish_reason, completion_tokens) event."""
     open_reply = job.messages[-1]["role"] == "assistant"
     history = [dict(m) for m in (job.messages if open_reply else job.messages[:-1])]
-    session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopText)
+    session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopStrings)
     session.messages = history
     before = session.stats["tokens_processed"]
     stream = session.continue_reply() if open_reply else session.send(job.messages[-1]["content"])
@@ -436,16 +437,17 @@ def reply(session, job, emit):
         emit(("start", prompt_tokens, prompt_tokens - (session.stats["tokens_processed"] - before)))
         return True
 
-    text = StopText(job.sampling["stop"])
+    text = StopStrings(job.sampling["stop"])
     for piece in stream:
         started = started or start()
-        if text.feed(piece):
-            emit(("text", text.take()))
+        text.feed(piece)
+        if shown := text.take():
+            emit(("text", shown))
         if text.hit or job.cancelled.is_set():
             session.stop()  # the reply ends after this token
     started = started or start()
-    if not text.hit and text.flush():
-        emit(("text", text.take()))
+    if shown := text.take(final=True):  # the reply has ended: what was held back is its own text
+        emit(("text", shown))
     if text.hit:  # the session's reply ran on into the stop string: it keeps what the client got
         prefix = job.messages[-1]["content"] if open_reply else ""
         session.messages = (history[:-1] if open_reply else history + [job.messages[-1]]) + [
@@ -454,38 +456,6 @@ def reply(session, job, emit):
     new_tokens = session.last_turn.new_tokens
     stopped = text.hit or new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
     return "end", "stop" if stopped else "length", new_tokens
-
-
-class StopText:
-    """OpenAI's stop strings over a stream of text pieces: the reply is the text before the
-    first stop string, and a tail that could still be the start of one is held back until it
-    cannot (so no piece of a stop string is ever sent)."""
-
-    def __init__(self, stops):
-        self.stops, self.text, self.sent, self.ready, self.hit = tuple(stops), "", 0, 0, False
-
-    def feed(self, piece):
-        """Add a piece; True when there is text to take."""
-        if self.hit:
-            return False
-        self.text += piece
-        cuts = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
-        if cuts:
-            self.text, self.hit = self.text[:min(cuts)], True
-            self.ready = len(self.text)
-        else:
-            hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-            self.ready = len(self.text) - hold
-        return self.ready > self.sent
-
-    def flush(self):
-        """The reply has ended: what was held back is the reply's own text."""
-        self.ready = len(self.text)
-        return self.ready > self.sent
-
-    def take(self):
-        out, self.sent = self.text[self.sent:self.ready], self.ready
-        return out
 
 
 async def next_event(events, request, job):

@@ -4,6 +4,7 @@ serve the chat UI with the OpenAI-compatible /v1 API beside it. `h2o-chat --help
 import argparse
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a private app phones nowhere
@@ -14,12 +15,21 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a private app phon
 DEFAULT_CONCURRENCY = 4
 
 
-def parse_args(argv=None):
-    from ..cache.config import CacheConfig
-    from ..chat.conversation import CHOICES  # what the session layer offers
-    from .pool import MAX_IDLE_KV_MIB
+def add_setting_flags(parser, cls, names, prefix=""):
+    """A flag per setting `names` of the dataclass `cls` (CacheConfig, Sampling): `--n-recent` for
+    n_recent, with the field's default, choices and help (its one declaration, see cache.config)."""
+    for f in fields(cls):
+        if f.name not in names:
+            continue
+        meta = f.metadata
+        kind = {"choices": meta["choices"]} if meta["choices"] else {"type": type(f.default) if f.default is not None else int}
+        parser.add_argument(f"--{prefix}{f.name.replace('_', '-')}", default=f.default, **kind,
+                            help=f"{meta['help']} (default {f.default})")
 
-    cache = CacheConfig()  # the cache flags' defaults are the dataclass's: declared once, there
+
+def parse_args(argv=None):
+    from ..cache.config import APP_FIELDS, CacheConfig
+    from .pool import MAX_IDLE_KV_MIB
 
     p = argparse.ArgumentParser(description="A local chat whose KV cache is managed by H2O (Heavy-Hitter Oracle).")
     p.add_argument("--model", default=None, help="model folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")
@@ -27,16 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also make a public Gradio share link (off by default)")
     p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login for the UI and its API")
-    p.add_argument("--policy", default=cache.policy, choices=CHOICES["policy"],
-                   help=f"cache policy (default {cache.policy})")
-    p.add_argument("--budget", type=int, default=cache.budget,
-                   help=f"KV slots per layer and head (default {cache.budget})")
-    p.add_argument("--n-recent", type=int, default=cache.n_recent, help="recent-window slots (default: half of what sinks leave)")
-    p.add_argument("--n-sink", type=int, default=cache.n_sink, help=f"first tokens always kept (default {cache.n_sink})")
-    p.add_argument("--score", default=cache.score, choices=CHOICES["score"],
-                   help=f"heavy-hitter score (default {cache.score})")
-    p.add_argument("--positions", default=cache.positions, choices=CHOICES["positions"],
-                   help=f"RoPE positions (default {cache.positions})")
+    add_setting_flags(p, CacheConfig, APP_FIELDS)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit weights (CUDA)")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit weights (CUDA)")
@@ -57,11 +58,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from .. import CacheConfig, ModelLoadError, load_model
+    from ..cache.config import APP_FIELDS, CacheConfig
+    from ..models.load import ModelLoadError, load_model
     from ..ui.page import CSS, HEAD, build
 
-    cache = dict(policy=args.policy, budget=args.budget, n_recent=args.n_recent, n_sink=args.n_sink,
-                 score=args.score, positions=args.positions)
+    cache = {name: getattr(args, name) for name in APP_FIELDS}
     auth = None
     try:
         CacheConfig(**cache)  # refuse impossible budgets before loading anything
