@@ -503,15 +503,15 @@ def test_bench_api_drives_a_chat_through_app_py(tmp_path):
 
 
 def test_bench_concurrent_runs_chats_together_and_one_at_a_time(tmp_path):
-    from h2o_chat import bench
+    from h2o_chat.bench import cli
     from tests.live import save_tiny_chat
 
     folder = save_tiny_chat(tmp_path / "tiny")
     questions = tmp_path / "questions.jsonl"
     questions.write_text("".join(json.dumps({"turns": [f"Question {i}?", "And then?"]}) + "\n" for i in range(3)))
-    bench.main(["--model", str(folder), "--out", str(tmp_path), "concurrent", "--sizes", "1,3", "--turns", "2",
-                "--max-tokens", "6", "--turns-file", str(questions), "--budget", "48", "--repeats", "2",
-                "--h2o-args=--n-sink 2 --n-recent 16"])
+    cli.main(["--model", str(folder), "--out", str(tmp_path), "concurrent", "--sizes", "1,3", "--turns", "2",
+              "--max-tokens", "6", "--turns-file", str(questions), "--budget", "48", "--repeats", "2",
+              "--h2o-args=--n-sink 2 --n-recent 16"])
     results = json.loads((tmp_path / "concurrent.json").read_text())["sizes"]
     assert list(results) == ["1", "3"]
     for row in results.values():

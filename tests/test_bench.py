@@ -5,9 +5,22 @@ import json
 
 import pytest
 
-from h2o_chat import bench
-from h2o_chat.bench import evaluate
-from h2o_chat.bench import page as bench_page
+from h2o_chat.bench import (
+    batch,
+    cli,
+    compress,
+    decode,
+    dialogue,
+    evaluate,
+    ops,
+    page,
+    panel,
+    ppl,
+    prefill,
+    soak,
+    summarize,
+)
+from h2o_chat.bench.peers import llamacpp
 from tests.conftest import read_results
 from tests.live import save_tiny_chat
 
@@ -15,9 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bench_decode(tiny_model_dir, play_text, tmp_path):
-    bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
-                "decode", "--seen", "32,64", "--steps", "3", "--repeats", "2", "--budget", "16",
-                "--methods", "dynamic,full,h2o,h2o-noevict"])
+    cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+              "decode", "--seen", "32,64", "--steps", "3", "--repeats", "2", "--budget", "16",
+              "--methods", "dynamic,full,h2o,h2o-noevict"])
     rows = read_results(tmp_path, "decode", plot=False)["rows"]
     assert {(r["seen"], r["method"]) for r in rows} == {
         (s, m) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict")}
@@ -29,8 +42,8 @@ def test_bench_decode(tiny_model_dir, play_text, tmp_path):
 
 def test_bench_batch_on_the_cpu(tmp_path):
     # the real run needs CUDA and Llama-2-7B's shape; the same code on a tiny shape on the CPU
-    bench.main(["--out", str(tmp_path), "batch", "--device", "cpu", "--shape", "tiny", "--quick",
-                "--prompt", "64", "--new-tokens", "8", "--batch", "1", "--max-batch", "4"])
+    cli.main(["--out", str(tmp_path), "batch", "--device", "cpu", "--shape", "tiny", "--quick",
+              "--prompt", "64", "--new-tokens", "8", "--batch", "1", "--max-batch", "4"])
     rows = read_results(tmp_path, "batch", plot=False)["rows"]
     assert [(r["method"], r["batch"]) for r in rows] == [(m, b) for m in ("full", "h2o") for b in (1, 2, 4)]
     assert all(r["latency_s"] > 0 for r in rows)
@@ -39,16 +52,16 @@ def test_bench_batch_on_the_cpu(tmp_path):
 
 
 def test_bench_batch_without_cuda_says_so(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
-    bench.main(["--out", str(tmp_path), "batch"])
+    monkeypatch.setattr(batch.torch.cuda, "is_available", lambda: False)
+    cli.main(["--out", str(tmp_path), "batch"])
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert json.loads((tmp_path / "batch.json").read_text())["meta"]["skipped"] == "no CUDA GPU"
 
 
 @pytest.mark.slow
 def test_bench_prefill(tiny_model_dir, play_text, tmp_path):
-    bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
-                "prefill", "--tokens", "200", "--budget", "16"])
+    cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+              "prefill", "--tokens", "200", "--budget", "16"])
     rows = read_results(tmp_path, "prefill", plot=False)["rows"]
     assert [r["method"] for r in rows] == ["dynamic", "h2o"]
     assert all(r["peak_MiB"] >= 0 and r["seconds"] > 0 for r in rows)
@@ -59,7 +72,7 @@ def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
                    "--tokens", "120", "--budget", "24", "--chunk", "8", "--long-tokens", "0"])
     rows = read_results(tmp_path, "ppl", plot=False)["rows"]
-    assert [r["method"] for r in rows] == evaluate.PPL_METHODS
+    assert [r["method"] for r in rows] == ppl.PPL_METHODS
     assert all(r["ppl"] > 1 for r in rows)
     assert rows[0]["vs_full"] == "+0.0%"
 
@@ -67,9 +80,9 @@ def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
 def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?", "Thanks"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
-    bench.main(["--out", str(tmp_path), "dialogue", "--turns-file", str(turns), "--turns", "4",
-                "--new-tokens", "5", "--budget", "32", "--naive-every", "2"])
+    monkeypatch.setattr(dialogue, "load_model", lambda spec, **settings: tiny_chat)
+    cli.main(["--out", str(tmp_path), "dialogue", "--turns-file", str(turns), "--turns", "4",
+              "--new-tokens", "5", "--budget", "32", "--naive-every", "2"])
     rows = read_results(tmp_path, "dialogue", plot=False)["rows"]
     assert [r["turn"] for r in rows if r["method"] == "h2o"] == [1, 2, 3, 4]
     assert [r["turn"] for r in rows if r["method"] == "naive"] == [1, 2, 4]
@@ -77,9 +90,9 @@ def test_bench_dialogue(tiny_chat, tmp_path, monkeypatch):
 
 
 def test_bench_panel(tiny_chat, play_text, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
-    bench.main(["--text", str(play_text), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
-                "--budget", "32", "--turns", "0"])
+    monkeypatch.setattr(panel, "load_model", lambda spec, **settings: tiny_chat)
+    cli.main(["--text", str(play_text), "--out", str(tmp_path), "panel", "--tokens", "300", "--new-tokens", "8",
+              "--budget", "32", "--turns", "0"])
     rows = read_results(tmp_path, "panel", plot=False)["rows"]
     assert [r["measure"] for r in rows][:4] == ["decode without panel", "decode with panel"] * 2
     assert rows[-1]["measure"].startswith("render panel of ") and rows[-1]["value"] >= 0
@@ -88,11 +101,11 @@ def test_bench_panel(tiny_chat, play_text, tmp_path, monkeypatch):
 @pytest.mark.browser
 @pytest.mark.live
 @pytest.mark.slow
-@pytest.mark.skipif(bench_page.CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+@pytest.mark.skipif(page.CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_bench_panel_streams_replies_into_the_real_page(tmp_path):
     # the app in its own process (the tiny chat model from a folder), the page in chromium
     folder = save_tiny_chat(tmp_path / "model")
-    turns = bench_page.page_speed(str(folder), budget=48, turns=2, new_tokens=12)
+    turns = page.page_speed(str(folder), budget=48, turns=2, new_tokens=12)
     assert [t["turn"] for t in turns] == [1, 2]
     for t in turns:  # each reply streamed, ended, and the page's stats line gave its speed
         assert t["reply_chars"] > 0 and t["server_tokens_per_s"] > 0
@@ -102,8 +115,8 @@ def test_bench_panel_streams_replies_into_the_real_page(tmp_path):
 def test_bench_soak(tiny_chat, tmp_path, monkeypatch):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
-    bench.main(["--out", str(tmp_path), "soak", "--quick", "--turns-file", str(turns), "--budget", "32"])
+    monkeypatch.setattr(soak, "load_model", lambda spec, **settings: tiny_chat)
+    cli.main(["--out", str(tmp_path), "soak", "--quick", "--turns-file", str(turns), "--budget", "32"])
     data = json.loads((tmp_path / "soak-rolling.json").read_text())
     # --quick: 8 turns; the file has 3, so it starts over
     assert [r["turn"] for r in data["rows"]] == list(range(1, 9))
@@ -114,18 +127,18 @@ def test_bench_soak(tiny_chat, tmp_path, monkeypatch):
 def test_bench_soak_reports_a_failed_turn(tiny_chat, tmp_path, monkeypatch):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more", "Boom", "Never sent"]}\n')
-    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
-    send = bench.ChatSession.send
+    monkeypatch.setattr(soak, "load_model", lambda spec, **settings: tiny_chat)
+    send = soak.ChatSession.send
 
     def failing_send(self, text, *args, **kwargs):
         if text == "Boom":
             raise RuntimeError("simulated failure")
         return send(self, text, *args, **kwargs)
 
-    monkeypatch.setattr(bench.ChatSession, "send", failing_send)
+    monkeypatch.setattr(soak.ChatSession, "send", failing_send)
     with pytest.raises(SystemExit, match="soak failed: turn 3: RuntimeError: simulated failure"):
-        bench.main(["--out", str(tmp_path), "soak", "--turns", "4", "--new-tokens", "4", "--turns-file", str(turns),
-                    "--budget", "32"])
+        cli.main(["--out", str(tmp_path), "soak", "--turns", "4", "--new-tokens", "4", "--turns-file", str(turns),
+                  "--budget", "32"])
     data = json.loads((tmp_path / "soak-rolling.json").read_text())
     assert [r["turn"] for r in data["rows"]] == [1, 2]  # what ran before the failure is kept
 
@@ -138,10 +151,11 @@ def test_bench_soak_reports_a_failed_turn(tiny_chat, tmp_path, monkeypatch):
 def test_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatch, argv):
     # a checkout without ../shared/data next to it gets a message, not a traceback
     missing = str(tmp_path / "nowhere.txt")
-    monkeypatch.setattr(bench, "load_model", lambda spec, **settings: tiny_chat)
+    for module in (decode, dialogue, soak):
+        monkeypatch.setattr(module, "load_model", lambda spec, **settings: tiny_chat)
     argv = [a.format(missing=missing) for a in argv]
     with pytest.raises(SystemExit, match="nowhere.txt: no such file.*--text"):
-        bench.main(["--out", str(tmp_path), "--text", missing, *argv])
+        cli.main(["--out", str(tmp_path), "--text", missing, *argv])
 
 
 @pytest.mark.parametrize("argv", [["ppl", "--quick", "--text", "{missing}"],
@@ -149,14 +163,15 @@ def test_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatc
                                   ["summarize", "--quick", "--file", "{missing}"]])
 def test_evaluate_a_missing_input_file_is_a_clear_message(tiny_chat, tmp_path, monkeypatch, argv):
     missing = str(tmp_path / "nowhere.txt")
-    monkeypatch.setattr(evaluate, "load_model", lambda spec, **settings: tiny_chat)
+    for module in (ppl, compress, summarize):
+        monkeypatch.setattr(module, "load_model", lambda spec, **settings: tiny_chat)
     with pytest.raises(SystemExit, match="nowhere.txt: no such file"):
         evaluate.main(["--out", str(tmp_path), *[a.format(missing=missing) for a in argv]])
 
 
 def test_bench_ops_counts_ops_and_the_one_streaming_sync(tiny_model_dir, play_text, tmp_path):
-    bench.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
-                "ops", "--seen", "40", "--steps", "3", "--budget", "16", "--dtype", "fp32"])
+    cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+              "ops", "--seen", "40", "--steps", "3", "--budget", "16", "--dtype", "fp32"])
     rows = {r["method"]: r for r in read_results(tmp_path, "ops", plot=False)["rows"]}
     assert set(rows) == {"dynamic", "h2o", "full", "h2o+lean", "full+lean"}
     assert all(r["ops_per_token"] > 50 for r in rows.values())
@@ -179,12 +194,12 @@ def test_count_ops_sees_every_kind_of_host_sync():
         x.tolist()  # counted by the patched method
         x.numpy()
 
-    ops, syncs, names = bench.count_ops(step, 2)
-    assert syncs == 4 and ops > 0 and names["aten::sum"] == 2
+    ops_per_step, syncs, names = ops.count_ops(step, 2)
+    assert syncs == 4 and ops_per_step > 0 and names["aten::sum"] == 2
     assert torch.Tensor.tolist(x) == [1.0, 1.0, 1.0]  # the patch is gone afterwards
 
 
-@pytest.mark.skipif(bench.llamacpp_worker.find_python() is None, reason="no llama.cpp venv (xllamacpp)")
+@pytest.mark.skipif(llamacpp.find_python() is None, reason="no llama.cpp venv (xllamacpp)")
 @pytest.mark.embedded
 @pytest.mark.live
 @pytest.mark.slow
@@ -206,26 +221,27 @@ def test_llamacpp_server_starts_answers_with_timings_and_refuses_past_its_contex
     assert process.poll() is not None  # stopped with the block
 
 
-def parsed(module, command, argv, monkeypatch):
-    """The arguments `module.main(argv)` hands `command`'s function, which is replaced so nothing runs."""
+def parsed(main, module, command, argv, monkeypatch):
+    """The arguments `main(argv)` hands `module.command`, which is replaced so nothing runs."""
     seen = []
     monkeypatch.setattr(module, command, seen.append)
-    module.main(argv)
+    main(argv)
     (args,) = seen
     return args
 
 
-@pytest.mark.parametrize("module, command, sub", [(bench, "cmd_dialogue", "dialogue"), (bench, "cmd_prefill", "prefill"),
-                                                  (evaluate, "cmd_ppl", "ppl"), (evaluate, "cmd_compress", "compress")])
-def test_shared_options_are_taken_before_and_after_the_subcommand(module, command, sub, monkeypatch, tmp_path):
-    before = parsed(module, command, ["--out", str(tmp_path / "a"), "--model", "m1", sub, "--quick"], monkeypatch)
-    after = parsed(module, command, [sub, "--quick", "--out", str(tmp_path / "b"), "--model", "m2"], monkeypatch)
+@pytest.mark.parametrize("main, module, command, sub", [
+    (cli.main, dialogue, "run", "dialogue"), (cli.main, prefill, "run", "prefill"),
+    (evaluate.main, ppl, "run", "ppl"), (evaluate.main, compress, "run", "compress")])
+def test_shared_options_are_taken_before_and_after_the_subcommand(main, module, command, sub, monkeypatch, tmp_path):
+    before = parsed(main, module, command, ["--out", str(tmp_path / "a"), "--model", "m1", sub, "--quick"], monkeypatch)
+    after = parsed(main, module, command, [sub, "--quick", "--out", str(tmp_path / "b"), "--model", "m2"], monkeypatch)
     assert (before.out, before.model) == (str(tmp_path / "a"), "m1")
     assert (after.out, after.model) == (str(tmp_path / "b"), "m2")
-    neither = parsed(module, command, [sub], monkeypatch)
+    neither = parsed(main, module, command, [sub], monkeypatch)
     assert (neither.out, neither.model) == ("bench-out", None)  # the top-level defaults, not SUPPRESS's absence
 
 
 def test_bench_text_is_taken_after_the_subcommand(monkeypatch):
-    assert parsed(bench, "cmd_prefill", ["prefill", "--text", "t.txt"], monkeypatch).text == "t.txt"
-    assert parsed(bench, "cmd_prefill", ["--text", "t.txt", "prefill"], monkeypatch).text == "t.txt"
+    assert parsed(cli.main, prefill, "run", ["prefill", "--text", "t.txt"], monkeypatch).text == "t.txt"
+    assert parsed(cli.main, prefill, "run", ["--text", "t.txt", "prefill"], monkeypatch).text == "t.txt"

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from h2o_chat.bench import evaluate, make_cache
+from h2o_chat.bench import evaluate, ppl
+from h2o_chat.bench.common import make_cache
 from tests.conftest import make_tiny_llama, read_results
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,7 +30,7 @@ def test_feeding_many_tokens_per_call_changes_nothing(method, positions):
 
     def nlls(feed):
         cache = make_cache(model, method, budget=40, n_sink=2, positions=positions, prefill_chunk=8)
-        return evaluate.streaming_nlls(model, tokens, cache, feed)
+        return ppl.streaming_nlls(model, tokens, cache, feed)
 
     torch.testing.assert_close(nlls(64), nlls(8), rtol=1e-10, atol=1e-10)
 
@@ -42,7 +43,7 @@ def test_ppl_budgets_and_the_long_part(tiny_model_dir, play_text, tmp_path):
     rows = read_results(tmp_path, "ppl")["rows"]
     # full once, every other method at each budget (25% and 50% of 128 tokens)
     assert [(r["method"], r["budget"]) for r in rows] == [("full", "all")] + [
-        (m, b) for m in evaluate.PPL_METHODS[1:] for b in (32, 64)]
+        (m, b) for m in ppl.PPL_METHODS[1:] for b in (32, 64)]
     assert all(r["ppl"] > 1 for r in rows) and rows[0]["vs_full"] == "+0.0%"
     by = {(r["method"], r["budget"]): r for r in rows}
     assert by[("window", 32)]["n_sink"] == 0 and by[("sink", 32)]["n_sink"] == 4

@@ -1,5 +1,5 @@
-"""`python -m h2o_chat.bench SUBCOMMAND`."""
+"""`python -m h2o_chat.bench SUBCOMMAND`: see cli.py."""
 
-from . import main
+from .cli import main
 
 main()

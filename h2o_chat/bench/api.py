@@ -1,5 +1,5 @@
 """`python -m h2o_chat.bench.api`: one long chat through the OpenAI API, h2o-chat's `/v1` against
-llama.cpp's server on the same GGUF (xllamacpp in its own venv, started by llamacpp_worker).
+llama.cpp's server on the same GGUF (xllamacpp in its own venv, started by peers/llamacpp.py).
 
 Each arm is a server in its own process, driven by the same client code (the `openai` client,
 streamed, greedy): every turn resends the whole history, as SillyTavern or Open WebUI do. Per
@@ -12,87 +12,42 @@ Time it alone: `flock -x /tmp/h2o-cpu.lock python -m h2o_chat.bench.api`.
 """
 
 import argparse
+import contextlib
 import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from .peers import llamacpp as llamacpp_worker
-from .peers.llamacpp import free_port
-
-MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench.jsonl"
-REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_healthy(url, process, deadline_s=600):
-    import httpx
-
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} was not healthy within {deadline_s} s")
-
-
-def start_h2o(port, threads, extra):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, str(REPO / "app.py"), "--port", str(port), "--data-dir", tempfile.mkdtemp(), *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-
-
-def user_turns(path, n):
-    turns = []
-    for line in Path(path).read_text().splitlines():
-        turns += json.loads(line)["turns"]
-    return (turns * (n // max(len(turns), 1) + 1))[:n]
+from ..models.load import embedded_gguf_path
+from .common import MT_BENCH, api_client, app_server, served_model, stream_reply, user_turns, wait_healthy
+from .peers import llamacpp
 
 
 def run_chat(base_url, model, turns, max_tokens):
     """One chat, a streamed greedy reply per turn; a row per turn."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="bench", timeout=900, max_retries=0)
+    client = api_client(base_url)
     messages, rows = [], []
     for i, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         row = {"turn": i + 1}
-        start, first, pieces, usage = time.perf_counter(), None, [], None
         try:
-            stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                    temperature=0, stream=True,
-                                                    stream_options={"include_usage": True})
-            for chunk in stream:
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        first = first or time.perf_counter()
-                        pieces.append(choice.delta.content)
+            reply, usage, ttft, streaming = stream_reply(client, model, messages, max_tokens)
         except openai.APIError as e:
             row["error"] = str(getattr(e, "message", e))[:200]
             messages.pop()
             rows.append(row)
             print(f"turn {i + 1}: error {row['error']}", flush=True)
             continue
-        end = time.perf_counter()
         details = getattr(usage, "prompt_tokens_details", None)
-        row.update(ttft_s=round((first or end) - start, 4), prompt_tokens=usage.prompt_tokens if usage else None,
+        row.update(ttft_s=round(ttft, 4), prompt_tokens=usage.prompt_tokens if usage else None,
                    cached_tokens=details.cached_tokens if details else None,
                    completion_tokens=usage.completion_tokens if usage else None,
-                   decode_tok_s=round((usage.completion_tokens - 1) / (end - first), 2)
-                   if usage and first and end > first and usage.completion_tokens > 1 else None)
+                   decode_tok_s=round((usage.completion_tokens - 1) / streaming, 2)
+                   if usage and streaming > 0 and usage.completion_tokens > 1 else None)
         rows.append(row)
         print(f"turn {i + 1}: {row}", flush=True)
-        messages.append({"role": "assistant", "content": "".join(pieces)})
+        messages.append({"role": "assistant", "content": reply})
     return rows
 
 
@@ -105,40 +60,32 @@ def main(argv=None):
     p.add_argument("--data", default=str(MT_BENCH), help="MT-Bench questions (JSONL, one 'turns' list a line)")
     p.add_argument("--arms", default="h2o,llamacpp")
     p.add_argument("--llamacpp", default=None, metavar="PYTHON", help="the llama.cpp venv's python "
-                   f"(default: ${llamacpp_worker.ENV_VAR}, else {llamacpp_worker.DEFAULT_PYTHON})")
+                   f"(default: ${llamacpp.ENV_VAR}, else {llamacpp.DEFAULT_PYTHON})")
     p.add_argument("--h2o-args", default="", help="extra app.py flags for the h2o arm, e.g. '--budget 1024'")
     p.add_argument("--out", default="results")
     args = p.parse_args(argv)
     if not Path(args.data).is_file():
-        sys.exit(f"bench_api: no MT-Bench file at {args.data} (give --data)")
-    import httpx
-
-    from ..models.load import embedded_gguf_path
-
-    turns = user_turns(args.data, args.turns)
+        sys.exit(f"bench.api: no MT-Bench file at {args.data} (give --data)")
+    turns = user_turns(args.data, args.turns, cycle=True)
     results = {"meta": {"command": "python -m h2o_chat.bench.api " + " ".join(argv or sys.argv[1:]),
                         "turns": args.turns, "max_tokens": args.max_tokens, "threads": args.threads,
                         "n_ctx_llamacpp": args.n_ctx, "h2o_args": args.h2o_args}, "arms": {}}
     for arm in args.arms.split(","):
-        if arm == "h2o":
-            port = free_port()
-            process = start_h2o(port, args.threads, args.h2o_args.split())
-            url, stop = f"http://127.0.0.1:{port}", lambda process=process: (process.terminate(), process.wait(30))
-        elif arm == "llamacpp":
-            python = llamacpp_worker.find_python(args.llamacpp)
-            if python is None:
-                print(f"skipping llamacpp: no llama.cpp venv; make one with: {llamacpp_worker.MAKE_VENV}")
-                continue
-            server = llamacpp_worker.start_server(python, embedded_gguf_path(), args.threads, args.n_ctx)
-            url, stop, process = server.url, server.stop, server.process
-        else:
-            sys.exit(f"bench_api: unknown arm {arm!r}")
-        try:
+        with contextlib.ExitStack() as stack:
+            if arm == "h2o":
+                url, process = stack.enter_context(app_server(args.h2o_args.split(), args.threads))
+            elif arm == "llamacpp":
+                python = llamacpp.find_python(args.llamacpp)
+                if python is None:
+                    print(f"skipping llamacpp: no llama.cpp venv; make one with: {llamacpp.MAKE_VENV}")
+                    continue
+                server = stack.enter_context(llamacpp.start_server(python, embedded_gguf_path(), args.threads,
+                                                                   args.n_ctx))
+                url, process = server.url, server.process
+            else:
+                sys.exit(f"bench.api: unknown arm {arm!r}")
             wait_healthy(url, process)
-            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            results["arms"][arm] = run_chat(url, model, turns, args.max_tokens)
-        finally:
-            stop()
+            results["arms"][arm] = run_chat(url, served_model(url), turns, args.max_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "api_vs_llamacpp.json").write_text(json.dumps(results, indent=1))

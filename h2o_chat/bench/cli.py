@@ -1,0 +1,210 @@
+"""Speed and memory benchmarks: `python -m h2o_chat.bench SUBCOMMAND` (installed: `h2o-chat-bench`).
+
+    dialogue one long chat over the user turns of a jsonl file: per turn time to first token,
+             decode tokens/s, KV bytes and RSS for ChatSession with H2O (and with the full
+             cache), against a naive app that re-prefills the whole history every turn, and
+             against kvpress (its H2O-like ObservedAttentionPress, re-prefilling the history
+             each turn at the same budget; run in its own venv, --kvpress-python)
+    decode   time per generated token and KV bytes after N tokens seen, for DynamicCache and
+             H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict)
+    ops      aten ops and host syncs per decode token (the profiler)
+    batch    the paper's batch throughput setting (CUDA)
+    prefill  peak memory (RSS) of prefilling a long prompt, each method in a fresh process
+    prefill-speed  prefill tokens/s (interleaved repeats, medians), aten ops per token and bytes
+             allocated, h2o against DynamicCache, per dtype and prompt length
+    panel    what the live panel costs: render time of a long conversation's panel, and decode
+             tokens/s with the panel refreshed as the app does while streaming vs not at all
+    soak     one session over many turns: memory, speed, reply quality
+    concurrent  1, 2, 4, 8 chats at once through the API (decoded in one batch) against the
+             same chats one at a time: aggregate and per-chat tokens/s, TTFT
+
+Each subcommand is the module of that name (prefill-speed: prefill_speed.py). Every figure comes
+from running the model here; results go to --out as JSON and Markdown.
+
+This file is the command line only; evaluate.py's (quality) takes the same shared options.
+"""
+
+import argparse
+import sys
+from dataclasses import fields
+
+from ..cache.config import CacheConfig
+from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak
+from .common import MT_BENCH, SHAKESPEARE
+from .peers import kvpress, llamacpp
+
+CACHE_SETTINGS = {f.name: f for f in fields(CacheConfig)}
+
+
+def int_list(text):
+    return [int(x) for x in text.split(",")]
+
+
+def name_list(text):
+    return text.split(",")
+
+
+def cache_flag(parser, name, *flags, sweep=None, note=None, **overrides):
+    """The flag of CacheConfig's setting `name` (`--n-sink` for n_sink, or `flags`), with the
+    default, choices and help of its one declaration. sweep: the parser of a comma-separated list,
+    each value a run (the default is then [the library's]). note: more help, after the library's.
+    `overrides` (default=...) where a command differs from the library on purpose: the call says why."""
+    setting = CACHE_SETTINGS[name]
+    meta = setting.metadata
+    kwargs = {"default": [setting.default] if sweep else setting.default}
+    if sweep:
+        kwargs["type"] = sweep
+    elif meta["choices"]:
+        kwargs["choices"] = meta["choices"]
+    else:
+        kwargs["type"] = int if setting.default is None else type(setting.default)
+    kwargs.update(overrides)
+    kwargs["help"] = meta["help"] + (f"; {note}" if note else "") + " (default: %(default)s)"
+    parser.add_argument(*(flags or [f"--{name.replace('_', '-')}"]), **kwargs)
+
+
+def add_quick(parser, **small):
+    """--quick: these smaller settings, wherever the command line did not set them."""
+    parser.add_argument("--quick", action="store_true", help="a short run: " + ", ".join(f"{k}={v}" for k, v in small.items()))
+    parser.set_defaults(quick_settings=small)
+
+
+def apply_quick(args, argv):
+    if getattr(args, "quick", False):
+        for name, value in args.quick_settings.items():
+            flag = "--" + name.replace("_", "-")
+            if not any(a == flag or a.startswith(flag + "=") for a in argv):
+                setattr(args, name, value)
+
+
+def base_parser(prog, doc, shared=()):
+    """The top-level parser, and the parent every subcommand takes, for the options all commands share.
+
+    A shared option is accepted before the subcommand (`--out DIR dialogue`) and after it (`dialogue
+    --out DIR`, where users type it). The parent's copies default to SUPPRESS, so a subcommand that was
+    not given the option leaves the top-level value (or its default) in place.
+    shared: more (flags, argparse keywords) pairs, beside --model and --out.
+    """
+    options = [(("--model",), dict(default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")),
+               (("--out",), dict(default="bench-out", help="folder for JSON and Markdown results")), *shared]
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parent = argparse.ArgumentParser(add_help=False)
+    for flags, kwargs in options:
+        parser.add_argument(*flags, **kwargs)
+        parent.add_argument(*flags, **{**kwargs, "default": argparse.SUPPRESS})
+    return parser, parent
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    text = (("--text",), dict(default=str(SHAKESPEARE), help="text the prompts are cut from"))
+    parser, shared = base_parser("python -m h2o_chat.bench", __doc__, [text])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("dialogue", parents=[shared], help="a long multi-turn chat, per-turn latency")
+    p.add_argument("--turns-file", default=str(MT_BENCH))
+    p.add_argument("--turns", type=int, default=60)
+    p.add_argument("--new-tokens", type=int, default=64)
+    cache_flag(p, "budget")
+    p.add_argument("--methods", type=name_list, default=["h2o", "naive", "kvpress", "full"],
+                   help="h2o, full (ChatSession), naive and kvpress; naive and kvpress are timed on the first "
+                        "method's transcript")
+    p.add_argument("--naive-every", type=int, default=10,
+                   help="time the naive app and kvpress at turn 1 and every N turns (they re-read the whole history)")
+    p.add_argument("--kvpress-python", default=None,
+                   help=f"python of the kvpress venv (or ${kvpress.ENV_VAR}); without one the kvpress arm is skipped")
+    p.add_argument("--llamacpp", nargs="?", const="", default=None, metavar="PYTHON",
+                   help="h2o against llama.cpp's server (xllamacpp, in its own venv: PYTHON, $"
+                        f"{llamacpp.ENV_VAR} or {llamacpp.DEFAULT_PYTHON}), interleaved turn by turn")
+    p.add_argument("--repeats", type=int, default=1, help="with --llamacpp: chats run, medians reported")
+    p.add_argument("--llamacpp-ctx", type=int, default=None,
+                   help="with --llamacpp: the server's context (default: the model's trained positions, 8,192 for "
+                        "the embedded model); a small one reaches the limit in a few turns")
+    p.add_argument("--dtype", default="auto", help="h2o's model dtype: auto (bf16 on CPUs with native bf16), float32")
+    add_quick(p, turns=6, new_tokens=16, naive_every=2)
+    p.set_defaults(run=dialogue.run)
+
+    p = sub.add_parser("decode", parents=[shared], help="decode time per token vs tokens seen")
+    p.add_argument("--seen", type=int_list, default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per method (median reported)")
+    cache_flag(p, "budget")
+    p.add_argument("--methods", type=name_list, default=["full", "h2o"],
+                   help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached); "
+                        "a +lean suffix (h2o+lean) decodes through models/decode.py's lean step, as the app does")
+    p.add_argument("--dtype", default="auto")
+    add_quick(p, seen=[512, 2048], steps=8, repeats=1)
+    p.set_defaults(run=decode.run)
+
+    p = sub.add_parser("ops", parents=[shared], help="aten ops and host syncs per decode token (profiler)")
+    p.add_argument("--seen", type=int, default=600)
+    p.add_argument("--steps", type=int, default=8, help="profiled decode steps")
+    cache_flag(p, "budget")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", type=name_list, default=["dynamic", "h2o", "full", "h2o+lean", "full+lean"],
+                   help="as decode's --methods; the +lean ones are what the app runs")
+    p.set_defaults(run=ops.run)
+
+    p = sub.add_parser("batch", parents=[shared], help="the paper's batch throughput setting (CUDA)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="llama2-7b", choices=["llama2-7b", "tiny"])
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=2048)
+    p.add_argument("--fraction", type=float, default=0.2, help="h2o budget as a share of prompt + generated")
+    p.add_argument("--batch", type=int, default=8, help="the batch size both methods are timed at")
+    p.add_argument("--max-batch", type=int, default=1024)
+    add_quick(p, prompt=512, new_tokens=128, max_batch=32)
+    p.set_defaults(run=batch.run)
+
+    p = sub.add_parser("prefill", parents=[shared], help="peak memory of prefilling a long prompt")
+    p.add_argument("--tokens", type=int, default=4096)
+    cache_flag(p, "budget")
+    add_quick(p, tokens=1024)
+    p.set_defaults(run=prefill.run)
+
+    p = sub.add_parser("prefill-speed", parents=[shared], help="prefill tokens/s, ops and bytes allocated: h2o vs DynamicCache")
+    p.add_argument("--tokens", type=int_list, default=[512, 2048])
+    p.add_argument("--dtypes", type=name_list, default=["float32", "bfloat16"])
+    cache_flag(p, "budget")
+    cache_flag(p, "prefill_chunk", "--chunk")
+    p.add_argument("--repeats", type=int, default=5, help="timed prefills per method (median reported)")
+    p.add_argument("--no-counts", dest="counts", action="store_false", help="skip the profiled run")
+    add_quick(p, tokens=[512], repeats=1)
+    p.set_defaults(run=prefill_speed.run)
+
+    p = sub.add_parser("panel", parents=[shared], help="the live panel's cost")
+    p.add_argument("--tokens", type=int, default=20_000, help="length of the conversation whose panel is rendered")
+    p.add_argument("--new-tokens", type=int, default=96)
+    cache_flag(p, "budget")
+    p.add_argument("--turns", type=int, default=5, help="replies streamed into the page (chromium; 0: none)")
+    p.add_argument("--app-dir", default=None, help="run the page's app from this checkout (e.g. a git worktree of "
+                   "an older commit: run both, alternating, to compare)")
+    add_quick(p, tokens=2000, new_tokens=32, turns=2)
+    p.set_defaults(run=panel.run)
+
+    p = sub.add_parser("soak", parents=[shared], help="one session over many turns: memory, speed, reply quality")
+    p.add_argument("--turns-file", default=str(MT_BENCH))
+    p.add_argument("--turns", type=int, default=160)
+    p.add_argument("--new-tokens", type=int, default=64)
+    cache_flag(p, "budget")
+    cache_flag(p, "positions")
+    p.add_argument("--seed", type=int, default=0)
+    add_quick(p, turns=8, new_tokens=16)
+    p.set_defaults(run=soak.run)
+
+    p = sub.add_parser("concurrent", parents=[shared], help="N chats at once through the API (one batch) vs one at a time")
+    p.add_argument("--sizes", type=int_list, default=[1, 2, 4, 8])
+    p.add_argument("--turns-file", default=str(MT_BENCH))
+    p.add_argument("--turns", type=int, default=2, help="turns of each chat")
+    p.add_argument("--max-tokens", type=int, default=64)
+    cache_flag(p, "budget")
+    p.add_argument("--threads", type=int, default=2, help="OMP threads of each server")
+    p.add_argument("--h2o-args", default="", help="more app.py flags for both servers, e.g. '--dtype float32'")
+    p.add_argument("--repeats", type=int, default=3, help="runs of both arms per size (medians reported)")
+    add_quick(p, sizes=[1, 2], turns=1, max_tokens=8, repeats=1)
+    p.set_defaults(run=concurrent.run)
+
+    args = parser.parse_args(argv)
+    apply_quick(args, argv)
+    args.command_line = "python -m h2o_chat.bench " + " ".join(argv)  # what the results say made them
+    args.run(args)

@@ -1,0 +1,83 @@
+"""`python -m h2o_chat.bench ops`: aten ops and host syncs per decode token, after --seen tokens
+(the profiler), for DynamicCache, h2o, full and the app's lean step ('+lean').
+
+A decode step is the model's forward on the last token, the greedy pick, and the one `.item()`
+that streams the token (what ChatSession does). h2o's budget is below --seen, so it evicts at
+every step.
+"""
+
+import torch
+
+from ..models.load import load_model
+from .common import make_cache, text_tokens, write_results
+from .decode import decode_step
+
+
+class SyncCounter:
+    """Counts the host syncs Python code asks for while active: `.tolist()` and `.numpy()` (a
+    copy to the host); `.item()` and `bool(tensor)` reach the profiler as aten::_local_scalar_dense
+    and are counted there (see `count_ops`), so they are not counted twice here."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, self._counting(method))
+        return self
+
+    def _counting(self, method):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return method(tensor, *args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def count_ops(step, steps):
+    """Run `step()` `steps` times under the profiler; returns (aten ops per step, host syncs per
+    step, Counter of op names). Every aten call counts, nested ones too (a matmul that calls a
+    bmm is two), so the figure is what the dispatcher runs, not what Python wrote."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with SyncCounter() as python_syncs, profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    syncs = names["aten::_local_scalar_dense"] + python_syncs.count
+    return sum(names.values()) / steps, syncs / steps, names
+
+
+def run(args):
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    text = text_tokens(tokenizer, args.text, args.seen)
+    rows, counts = [], {}
+    for method in args.methods:
+        cache, decode = make_cache(model, method, budget=args.budget), decode_step(model, method)
+        with torch.no_grad():
+            token = model(text, cache=cache).logits[:, -1:].argmax(-1)
+
+            def step(cache=cache, decode=decode):
+                nonlocal token
+                token = decode(token, cache)
+                token.item()
+
+            for _ in range(2):  # warm-up: first-call paths and lazily built state
+                step()
+            ops, syncs, counts[method] = count_ops(step, args.steps)
+        rows.append({"method": method, "ops_per_token": round(ops), "syncs_per_token": round(syncs, 2)})
+    base = rows[0]
+    for row in rows:
+        row[f"added_vs_{base['method']}"] = row["ops_per_token"] - base["ops_per_token"]
+        added = counts[row["method"]] - counts[base["method"]]
+        row["most_added"] = ", ".join(f"{name[6:]} {n / args.steps:+.0f}" for name, n in added.most_common(6))
+    meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
+            "dtype": str(model.dtype), "threads": torch.get_num_threads()}
+    write_results(args.out, "ops", rows, ["method", "ops_per_token", f"added_vs_{base['method']}",
+                                          "syncs_per_token", "most_added"], meta)

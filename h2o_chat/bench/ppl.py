@@ -1,0 +1,151 @@
+"""`python -m h2o_chat.bench.evaluate ppl`: streaming perplexity of a long text, the same tokens
+through each cache policy at several budgets (fractions of the span): full, window, sink
+(StreamingLLM), h2o with each score mode; lists of --n-sink, --n-recent and --positions sweep those
+knobs. Then a long part: --long-tokens (past the model's context) at one budget, ppl per segment of
+--segment tokens; the full cache is scored only within the trained positions.
+
+The caches evict every --chunk tokens (1 is strict token-by-token streaming; larger is faster,
+and the cache then holds up to budget + chunk - 1 tokens while a chunk is attended). The model
+itself is called on --feed tokens at a time: H2OCache splits them into --chunk pieces inside each
+layer, which gives exactly what feeding --chunk tokens per call gives, with far fewer calls.
+"""
+
+import itertools
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..cache.config import CacheConfig
+from ..cache.h2o import H2OCache
+from ..models.load import load_model
+from .common import make_cache, text_tokens, write_plot, write_results
+
+PPL_METHODS = ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"]
+LONG_METHODS = ["full", "window", "sink", "h2o-sum"]
+
+
+@torch.no_grad()
+def streaming_nlls(model, tokens, cache, feed):
+    """Negative log-likelihood of each of tokens[1:] given everything before it, the model called
+    on `feed` tokens at a time (the cache evicts at its own prefill_chunk): a float tensor [n - 1]."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    nlls = []
+    for s in tqdm(range(0, inputs.shape[1], feed), leave=False, desc="tokens", unit_scale=feed):
+        logits = model(inputs[:, s : s + feed], cache=cache).logits.float()
+        nlls.append(torch.nn.functional.cross_entropy(logits[0], targets[0, s : s + feed], reduction="none"))
+    return torch.cat(nlls)
+
+
+def ppl_of(nlls):
+    return round(math.exp(nlls.double().mean().item()), 3)
+
+
+def ppl_configs(args, budgets):
+    """The caches to run: (label, method, CacheConfig kwargs, resolved Budget), each distinct
+    cache once. Knobs that mean nothing to a policy are not swept for it: full has none, window
+    and sink keep the newest tokens (n_recent changes nothing), window has no sinks. A label
+    names only the knobs that vary on the command line."""
+    varies = {"n_sink": len(args.n_sink) > 1, "n_recent": len(args.n_recent) > 1, "positions": len(args.positions) > 1}
+    seen, configs = set(), []
+    for method, budget, n_sink, recent, positions in itertools.product(args.methods, budgets, args.n_sink,
+                                                                       args.n_recent, args.positions):
+        policy, _, score = method.partition("-")
+        # n_recent: a fraction of the budget, a slot count, or None (the library's default split)
+        n_recent = round(recent * budget) if isinstance(recent, float) else recent
+        kw = dict(policy=policy, budget=budget, n_sink=n_sink, score=score or "sum",
+                  n_recent=n_recent if policy == "h2o" else None, positions=positions)
+        limits = CacheConfig(**kw).resolve(args.tokens)
+        key = ("full",) if policy == "full" else (method, limits, positions)
+        if key in seen:
+            continue
+        seen.add(key)
+        label = [method]
+        if policy in ("h2o", "sink") and varies["n_sink"]:
+            label.append(f"sink{n_sink}")
+        if policy == "h2o" and varies["n_recent"]:
+            label.append("recent-auto" if recent is None else
+                         f"recent{recent:.0%}" if isinstance(recent, float) else f"recent{recent}")
+        if policy != "full" and varies["positions"]:
+            label.append(positions)
+        configs.append((" ".join(label), method, kw, limits))
+    return configs
+
+
+def run(args):
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    # budgets: fractions of the span (0.2 = 20% of --tokens) or slot counts
+    budgets = [max(1, round(b * args.tokens)) if isinstance(b, float) else b for b in args.budgets]
+    tokens = text_tokens(tokenizer, args.text, args.tokens)
+    rows = []
+    for label, method, kw, limits in ppl_configs(args, budgets):
+        cache = H2OCache(model, prefill_chunk=args.chunk, **kw)
+        start = time.perf_counter()
+        ppl = ppl_of(streaming_nlls(model, tokens, cache, args.feed))
+        unbounded = kw["policy"] == "full"
+        rows.append({"label": label, "method": method, "budget": "all" if unbounded else limits.budget,
+                     "budget_pct": "100%" if unbounded else f"{limits.budget / args.tokens:.0%}",
+                     "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
+                     "positions": "" if unbounded else kw["positions"], "ppl": ppl,
+                     "seconds": round(time.perf_counter() - start, 1)})
+        print(rows[-1], flush=True)
+    full = next((r["ppl"] for r in rows if r["method"] == "full"), None)
+    for r in rows:
+        r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%" if full else ""
+    meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
+            "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(),
+            "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
+    write_results(args.out, "ppl", rows, ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "ppl",
+                                          "vs_full", "seconds"], meta)
+    # the full cache has no budget: drawn as a flat line across the budgets
+    points = [r for r in rows if r["method"] != "full"]
+    points = [{"label": "full", "budget": b, "ppl": full} for b in sorted({r["budget"] for r in points}) if full] + points
+    write_plot(args.out, "ppl", points, "budget", "ppl", "label",
+               f"perplexity of {args.tokens} streamed tokens vs budget", logy=True)
+    if args.long_tokens:
+        long_ppl(args, model, tokenizer)
+
+
+def long_ppl(args, model, tokenizer):
+    """--long-tokens streamed through each of --long-methods at --long-budget (with the first
+    --n-sink, --n-recent and --positions): perplexity per --segment tokens. The full cache is
+    scored only within the model's trained positions: past them its ppl is reported as n/a."""
+    max_positions = model.config.get_text_config(decoder=True).max_position_embeddings
+    tokens = text_tokens(tokenizer, args.text, args.long_tokens)
+    n = args.long_tokens - 1  # tokens scored: each given everything before it
+    recent = args.n_recent[0]
+    nlls, seconds = {}, {}
+    for method in args.long_methods:
+        policy = method.partition("-")[0]
+        n_recent = (round(recent * args.long_budget) if isinstance(recent, float) else recent) if policy == "h2o" else None
+        cache = make_cache(model, method, budget=args.long_budget, n_sink=args.n_sink[0], n_recent=n_recent,
+                           positions=args.positions[0], prefill_chunk=args.chunk)
+        start = time.perf_counter()
+        nlls[method] = streaming_nlls(model, tokens[:, :max_positions] if policy == "full" else tokens, cache, args.feed)
+        seconds[method] = round(time.perf_counter() - start, 1)
+        print(f"long: {method} {len(nlls[method])} tokens scored, ppl {ppl_of(nlls[method])}, {seconds[method]} s",
+              flush=True)
+
+    def cell(method, s, e):
+        return ppl_of(nlls[method][s:e]) if e <= len(nlls[method]) + 1 else "n/a"
+
+    # nlls[m][i] is the NLL of token i + 1; a segment [s, e) scores tokens s + 1 .. e
+    rows, points = [], []
+    for s in range(0, n, args.segment):
+        e = min(s + args.segment, n)
+        rows.append({"tokens": f"{s + 1}-{e}", **{m: cell(m, s, e) for m in nlls}})
+        points += [{"method": m, "token": e, "ppl": "" if rows[-1][m] == "n/a" else rows[-1][m]} for m in nlls]
+    within = min(n, max_positions - 1)
+    rows.append({"tokens": f"1-{within} (all within context)", **{m: cell(m, 0, within) for m in nlls}})
+    if n > within:
+        rows.append({"tokens": f"{within + 1}-{n} (all past context)", **{m: cell(m, within, n) for m in nlls}})
+    meta = {"command": args.command_line, "text": args.text,
+            "tokens": args.long_tokens, "budget": args.long_budget, "n_sink": args.n_sink[0], "n_recent": recent,
+            "positions": args.positions[0], "chunk": args.chunk, "max_position_embeddings": max_positions,
+            "seconds": seconds, "threads": torch.get_num_threads(),
+            "note": f"ppl per segment of scored tokens; the full cache cannot go past the model's {max_positions} "
+                    f"positions, so it is scored over its first {max_positions} tokens only (n/a after)"}
+    write_results(args.out, "ppl-long", rows, ["tokens", *nlls], meta)
+    write_plot(args.out, "ppl-long", points, "token", "ppl", "method",
+               f"ppl per {args.segment} tokens, budget {args.long_budget} ({args.positions[0]} positions)", logy=True)
