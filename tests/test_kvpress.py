@@ -149,7 +149,8 @@ def test_bench_dialogue_with_kvpress(tiny_chat, tmp_path):
     turns = tmp_path / "turns.jsonl"
     turns.write_text('{"turns": ["Hi there", "Tell me more"]}\n{"turns": ["And then?", "Thanks"]}\n')
     cli.main(["--model", str(folder), "--out", str(tmp_path), "dialogue", "--quick", "--turns-file", str(turns),
-              "--turns", "4", "--budget", "32", "--methods", "h2o,kvpress", "--kvpress-python", KVPRESS_PYTHON])
+              "--turns", "4", "--budget", "32", "--methods", "h2o,kvpress", "--kvpress-python", KVPRESS_PYTHON,
+              "--dtype", "float32"])
     data = read_results(tmp_path, "dialogue")
     rows = data["rows"]
     kv = [r for r in rows if r["method"] == "kvpress"]
