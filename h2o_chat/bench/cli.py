@@ -29,6 +29,7 @@ import sys
 from dataclasses import fields
 
 from ..cache.config import CacheConfig
+from ..serve.cli import add_setting_flag
 from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak
 from .common import MT_BENCH, SHAKESPEARE
 from .peers import kvpress, llamacpp
@@ -44,23 +45,13 @@ def name_list(text):
     return text.split(",")
 
 
-def cache_flag(parser, name, *flags, sweep=None, note=None, **overrides):
-    """The flag of CacheConfig's setting `name` (`--n-sink` for n_sink, or `flags`), with the
-    default, choices and help of its one declaration. sweep: the parser of a comma-separated list,
-    each value a run (the default is then [the library's]). note: more help, after the library's.
-    `overrides` (default=...) where a command differs from the library on purpose: the call says why."""
+def cache_flag(parser, name, *flags, sweep=None, **kwargs):
+    """The flag of CacheConfig's setting `name` (serve.cli.add_setting_flag). sweep: the parser of a
+    comma-separated list, each value a run (the default is then [the library's])."""
     setting = CACHE_SETTINGS[name]
-    meta = setting.metadata
-    kwargs = {"default": [setting.default] if sweep else setting.default}
     if sweep:
-        kwargs["type"] = sweep
-    elif meta["choices"]:
-        kwargs["choices"] = meta["choices"]
-    else:
-        kwargs["type"] = int if setting.default is None else type(setting.default)
-    kwargs.update(overrides)
-    kwargs["help"] = meta["help"] + (f"; {note}" if note else "") + " (default: %(default)s)"
-    parser.add_argument(*(flags or [f"--{name.replace('_', '-')}"]), **kwargs)
+        kwargs = {"type": sweep, "choices": None, "default": [setting.default], **kwargs}
+    add_setting_flag(parser, setting, *flags, **kwargs)
 
 
 def add_quick(parser, **small):

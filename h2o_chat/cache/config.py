@@ -108,7 +108,7 @@ class CacheConfig:
                           label="Policy", choices=POLICIES)
     budget: int | float = setting(512, "KV slots per layer and KV head", label="Budget (slots)")
     n_sink: int = setting(4, "first tokens always kept (attention sinks)", label="Sinks", low=0, integer=True)
-    n_recent: int | float | None = setting(None, "newest tokens always kept (default: half of what the sinks leave)",
+    n_recent: int | float | None = setting(None, "newest tokens always kept (None: half of what the sinks leave)",
                                            label="Recent window (0 = half)", low=0)
     score: str = setting("sum", "how attention adds up into a token's score: summed (the paper), mean per query "
                          "that saw it, or exponentially decayed", label="Score", choices=SCORES)

@@ -15,16 +15,17 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a private app phon
 DEFAULT_CONCURRENCY = 4
 
 
-def add_setting_flags(parser, cls, names, prefix=""):
-    """A flag per setting `names` of the dataclass `cls` (CacheConfig, Sampling): `--n-recent` for
-    n_recent, with the field's default, choices and help (its one declaration, see cache.config)."""
-    for f in fields(cls):
-        if f.name not in names:
-            continue
-        meta = f.metadata
-        kind = {"choices": meta["choices"]} if meta["choices"] else {"type": type(f.default) if f.default is not None else int}
-        parser.add_argument(f"--{prefix}{f.name.replace('_', '-')}", default=f.default, **kind,
-                            help=f"{meta['help']} (default {f.default})")
+def add_setting_flag(parser, setting, *flags, note=None, **overrides):
+    """The flag of one settings field (`dataclasses.fields(CacheConfig)`'s): `--n-recent` for n_recent
+    (or `flags`), with the default, choices and help of its one declaration (see cache.config).
+    note: more help after the declared one; `overrides`: argparse keywords where a command differs
+    on purpose (the caller says why)."""
+    meta = setting.metadata
+    kwargs = {"choices": meta["choices"]} if meta["choices"] else {"type": type(setting.default) if setting.default
+                                                                    is not None else int}
+    kwargs = {"default": setting.default, **kwargs, **overrides}
+    kwargs["help"] = meta["help"] + (f"; {note}" if note else "") + " (default: %(default)s)"
+    parser.add_argument(*(flags or [f"--{setting.name.replace('_', '-')}"]), **kwargs)
 
 
 def parse_args(argv=None):
@@ -37,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also make a public Gradio share link (off by default)")
     p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login for the UI and its API")
-    add_setting_flags(p, CacheConfig, APP_FIELDS)
+    for setting in fields(CacheConfig):
+        if setting.name in APP_FIELDS:
+            add_setting_flag(p, setting)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit weights (CUDA)")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit weights (CUDA)")
