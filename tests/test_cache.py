@@ -1,7 +1,6 @@
 """H2OCache: what it keeps, proved against the slow reference and against DynamicCache."""
 
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +8,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from h2o_chat import H2OCache
 from h2o_chat.cache import scoring
-from h2o_chat.cache.h2o import KEY
-from h2o_chat.cache.scoring import grouped_attention
+from h2o_chat.cache.scoring import add_mass, grouped_attention
+from h2o_chat.cache.step import KEY
 from tests import reference
 from tests.conftest import make_tiny_llama
 from tests.reference import ReferenceH2O
@@ -208,11 +207,9 @@ def test_fused_grouped_attention_is_the_explicit_one(dtype, b, kv_heads, group, 
     assert torch.equal(probs, probs_ref) and torch.equal(out, out_ref)
     # the column mass, summed in one reduction (decay: one weighted matmul) instead of two: float
     # rounding order differs, so within a few ulps of the oracle's
-    cache = SimpleNamespace(config=SimpleNamespace(score="sum", decay=0.9))
     for score in ("sum", "mean", "decay"):
-        cache.config.score = score
         scores, queries = torch.zeros(2, b, kv_heads, slots, dtype=probs.dtype)
-        H2OCache._add_scores(cache, scores, queries, probs)
+        add_mass(scores, queries, probs, score, decay=0.9)
         tol = 1e-12 if probs.dtype == torch.float64 else 1e-5
         torch.testing.assert_close(scores, reference.explicit_column_mass(probs_ref, score).to(probs.dtype),
                                    rtol=tol, atol=tol)

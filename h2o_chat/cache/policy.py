@@ -27,6 +27,18 @@ def protection_key(slot_token_ids, n_sink, pins=()):
     return torch.where(fixed, torch.iinfo(slot_token_ids.dtype).max, slot_token_ids)
 
 
+def heavy_score(scores, queries, score):
+    """[batch, kv_heads, slots]: what a slot's attention mass counts for: the mass itself (`sum`,
+    `decay`) or, with `mean`, the mass per query that could see the token."""
+    return scores / queries.clamp(min=1) if score == "mean" else scores
+
+
+def priority(policy, score, token_ids, scores, queries):
+    """What eviction ranks the unprotected slots by: the heavy-hitter score for `h2o`, recency
+    (the token id) for `window` and `sink`, so those keep the newest tokens that fit."""
+    return heavy_score(scores, queries, score) if policy == "h2o" else token_ids
+
+
 def select_keep(slot_token_ids, priority, protected, budget):
     """Slots to keep, [batch, kv_heads, budget], ordered by token index.
 

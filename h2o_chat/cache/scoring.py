@@ -64,6 +64,27 @@ def grouped_attention(query, keys, values, scaling):
     return out, probs.view(b, kv_heads, group, n, slots)
 
 
+def add_mass(scores, queries, probs, score, decay):
+    """Add a chunk's attention mass to its slots' scores, in place.
+
+    probs [batch, kv_heads, group, n, slots] (grouped_attention's): the newest n slots are the
+    chunk's own tokens; scores, queries [batch, kv_heads, slots]. The column mass is one reduction
+    over the group's query heads and the chunk's rows together (no [b, kvh, n, slots] partial sum).
+    score "decay": each query row first multiplies what came before it by `decay`, so chunking
+    does not change the result; "mean" also counts, per slot, the queries that could see it."""
+    b, h, group, n, slots = probs.shape
+    if score == "decay":
+        weights = decay ** torch.arange(n - 1, -1, -1, device=probs.device, dtype=torch.float32)
+        rows = weights.to(probs.dtype).repeat(group)  # [group * n]: row (g, i) weighs decay^(n-1-i)
+        scores.mul_(decay**n).add_(torch.matmul(rows, probs.view(b, h, group * n, slots)))
+        return
+    scores.add_(probs.sum(dim=(2, 3)))
+    if score == "mean":
+        seen_by = torch.full((slots,), n, dtype=torch.float32, device=probs.device)
+        seen_by[slots - n :] = torch.arange(n, 0, -1, dtype=torch.float32, device=probs.device)
+        queries.add_(seen_by)
+
+
 def h2o_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     cache = kwargs.pop("h2o_cache", None)
     if cache is None:

@@ -16,7 +16,7 @@ conversation's own thread, untouched.
 
 Stacking: an `Arena` per cache setting holds, per layer,
     kv    [2, rows, kv_heads, budget + 1, head_dim]
-    meta  [N_META, rows, kv_heads, budget + 1]          (the layout of H2OLayer, see cache.py)
+    meta  [N_META, rows, kv_heads, budget + 1]          (the layout of cache/step.py)
 A joining conversation's buffers are copied into a free row, and its own H2OCache layers become
 views of that row: its snapshots, the panel's reads and its position roll keep working unchanged.
 When it leaves (its reply ended, or it sat out too many steps) the row is copied back into buffers
@@ -26,12 +26,11 @@ of its own and the last row moves into the hole, so rows [0, n) are always the b
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cache.h2o import IDS, KEY, N_META, attend_and_replace, make_step, score_dtype
+from ..cache.step import N_META, DecodeStep, StackedRows, attend_and_replace, score_dtype
 from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
@@ -223,7 +222,7 @@ class Arena:
         self.members = []  # H2OCache per row
         self.idle = []  # steps each member has sat out in a row
         self.kv = self.meta = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META, rows, kv_heads, cap]
-        self.steps = None  # per layer: make_step's views for the current number of rows
+        self.steps = None  # per layer: the DecodeStep over the current number of rows
 
     @property
     def rows(self):
@@ -304,10 +303,7 @@ class Arena:
         input_ids = torch.cat([asked[id(c)].input_ids if id(c) in asked else dummy for c in self.members])
         n_seen = [c.layers[0].n_seen for c in self.members]
         for cache in self.members:
-            cache._check_positions(cache.layers[0].n_seen + 1)
-            for layer in cache.layers:
-                if layer.pins_seen != cache.pins_version:
-                    layer.refresh_protection(cache)
+            cache.before_batched_step()
         text = decoder.model.config.get_text_config(decoder=True)
         rows = self._row_state(n_seen, active, text.num_attention_heads // text.num_key_value_heads)
         if self.steps is None:
@@ -316,12 +312,7 @@ class Arena:
         logits = decoder.step(input_ids, torch.tensor(n_seen, device=dev), stacked)
         for cache, on in zip(self.members, active):
             if on:
-                for layer in cache.layers:
-                    layer.n_seen += 1
-                    if layer.n_slots < cache.limits.budget:
-                        layer.n_slots += 1
-                        layer._views()
-                    cache._maybe_roll(layer)
+                cache.after_batched_step()
         return logits
 
     def _row_state(self, n_seen, active, group):
@@ -338,11 +329,11 @@ class Arena:
             slot = torch.arange(cap, device=dev)
             filled = torch.tensor(n_slots, device=dev)[:, None]
             empty = ((slot >= filled) & (slot < lim.budget))[:, None]  # [rows, 1, cap]
-        return SimpleNamespace(
+        return StackedRows(
             next_id=next_id,
             # rows whose new token is never evicted: a sink (a chat shorter than n_sink) or pinned
-            always_kept=[r for r, c in enumerate(self.members)
-                         if active[r] and (n_seen[r] < lim.n_sink or c.is_pinned(n_seen[r]))],
+            kept_rows=[r for r, c in enumerate(self.members)
+                       if active[r] and (n_seen[r] < lim.n_sink or c.is_pinned(n_seen[r]))],
             threshold=(next_id + 1 - lim.n_recent).view(n, 1, 1),
             weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
             beta=(1 + on * (config.decay - 1)).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),  # in acc
@@ -396,13 +387,8 @@ class StackedCache(Cache):
         self.pending[layer_idx] = None
         arena, rows, n = self.arena, self.rows, self.n
         kv, meta = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n]
-        s = arena.steps[layer_idx]
-        if s is None:
-            s = arena.steps[layer_idx] = make_step(kv, meta, query, scaling)
-        s.spare_k.copy_(keys)
-        s.spare_v.copy_(values)
-        s.spare_ints.copy_(rows.next_id.view(1, n, 1).expand(KEY - IDS + 1, n, kv.shape[2]))  # id, position, key
-        for r in rows.always_kept:
-            s.spare_key[r].fill_(torch.iinfo(meta.dtype).max)
-        s.spare_acc.fill_(0)
-        return attend_and_replace(s, kv, meta, query, arena.members[0].config, rows)
+        step = arena.steps[layer_idx]
+        if step is None:
+            step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, query, scaling)
+        step.write_spare(keys, values, rows.next_id, rows.kept_rows)
+        return attend_and_replace(step, query, arena.members[0].config, rows)

@@ -1,0 +1,206 @@
+"""A layer's slots in memory, and the decode step over them: the hot path, once per token per layer.
+
+Two packed buffers per layer, so the fields that move together move in one copy:
+    kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype
+    meta  [N_META, batch, kv_heads, capacity]       integers (int32; int64 for a float64 model):
+          token id, RoPE position, protection key (see policy.protection_key), and the bits of
+          the float32 (float64) score and query count. Moves go through the integer view, so
+          they are bit-exact; arithmetic on the scores goes through a float view of the memory.
+
+Once a bounded layer holds `budget` slots, its buffers have budget + 1: the last is the spare. A
+decode step writes the new token into the spare (`DecodeStep.write_spare`), attends over every
+slot, adds the mass to the scores, picks one victim per row and head and moves the spare into it
+("cache replace", FlexGen's H2O): `attend_and_replace`, about twenty batched ops into the views
+and scratch buffers of a `DecodeStep`, made once. No allocation, no host sync.
+
+One conversation is batch row 0 of its own buffers (H2OLayer); several conversations stacked as
+rows of shared ones (chat/batch.py) run the same step, with `StackedRows` saying what differs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+IDS, POS, KEY, SCORE, QUERIES = range(5)  # rows of a layer's meta buffer
+N_META = 5
+INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # same width: one is a view of the other
+
+
+def score_dtype(model_dtype):
+    """Scores add up in at least float32, like transformers' softmax."""
+    return torch.promote_types(model_dtype, torch.float32)
+
+
+@dataclass(frozen=True)
+class StackedRows:
+    """What differs between the rows of one batched step (conversations stacked by chat/batch.py),
+    shared by every layer. b rows, h KV heads, g query heads per KV head, cap = budget + 1 slots.
+
+    next_id [b] the new token's id per row; kept_rows: rows whose new token is never evicted (a sink
+    of a short chat, or pinned); threshold [b, 1, 1]: a slot is protected while its key is >= it;
+    weights [b*h, 1, g]: 1, or 0 for a row that sits this step out; beta [b*h, 1, 1]: the decay, 1
+    for those rows; query_add [b, 1, 1]: the queries a "mean" score counts; empty [b, 1, cap] bool or
+    None: free slots of a conversation still below its budget (never attended, filled first); idle
+    [b, 1, 1] bool or None: rows whose spare moves onto itself, so nothing of theirs changes."""
+
+    next_id: torch.Tensor
+    kept_rows: list
+    threshold: torch.Tensor
+    weights: torch.Tensor
+    beta: torch.Tensor
+    query_add: torch.Tensor
+    empty: torch.Tensor | None
+    idle: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Views over a full layer's whole buffers and the step's scratch buffers, made once (`over`).
+    b rows, h KV heads, g query heads per KV head, cap = budget + 1 slots, d head_dim; acc is the
+    score dtype."""
+
+    group: int
+    spare_k: torch.Tensor  # [b, h, 1, d]  views of the spare slot
+    spare_v: torch.Tensor
+    spare_kv: torch.Tensor  # [2, b, h, 1, d]
+    spare_meta: torch.Tensor  # [N_META, b, h, 1]
+    spare_ints: torch.Tensor  # [3, b, h]: the spare's id, position and protection key
+    spare_key: torch.Tensor  # [b, h]
+    spare_acc: torch.Tensor  # [2, b, h]: its score and query count
+    keys_t: torch.Tensor  # [b*h, d, cap]
+    values: torch.Tensor  # [b*h, cap, d]
+    ids: torch.Tensor  # [b, h, cap]
+    key: torch.Tensor  # [b, h, cap]
+    scores: torch.Tensor  # [b, h, cap] acc
+    queries: torch.Tensor  # [b, h, cap] acc
+    scores3: torch.Tensor  # [b*h, 1, cap] acc
+    ones: torch.Tensor  # [b*h, 1, g]: one conversation's weights
+    scale: torch.Tensor  # 0-d tensors, so no op makes one from a Python number
+    one: torch.Tensor
+    inf: torch.Tensor
+    id_max: torch.Tensor
+    spare_index: torch.Tensor
+    threshold: torch.Tensor
+    logits: torch.Tensor  # [b*h, g, cap] model dtype
+    logits_acc: torch.Tensor | None  # [b*h, g, cap] acc, for a model whose dtype is not acc
+    probs: torch.Tensor  # [b*h, g, cap] acc
+    probs_low: torch.Tensor | None  # [b*h, g, cap] model dtype
+    out: torch.Tensor  # [b*h, g, d]
+    protected: torch.Tensor  # [b, h, cap] bool
+    rank: torch.Tensor  # [b, h, cap] acc
+    lowest: torch.Tensor  # [b, h, 1] acc
+    is_lowest: torch.Tensor  # [b, h, cap] bool
+    tiebreak: torch.Tensor  # [b, h, cap] meta's dtype
+    victim: torch.Tensor  # [b, h, 1] long
+    stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
+    stage_meta: torch.Tensor  # [N_META, b, h, 1]
+    kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
+    meta_flat: torch.Tensor  # [N_META, b*h*cap]
+    slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
+    flat_victim: torch.Tensor  # [b*h]
+
+    @classmethod
+    def over(cls, kv, meta, query, scaling):
+        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], query [b, q_heads, 1, d]."""
+        meta_f = meta.view(score_dtype(kv.dtype))
+        _, b, h, cap, d = kv.shape
+        group, spare = query.shape[1] // h, cap - 1
+        acc, dev = meta_f.dtype, kv.device
+        return cls(
+            group=group,
+            spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
+            spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:],
+            spare_ints=meta[IDS : KEY + 1, :, :, spare], spare_key=meta[KEY, :, :, spare],
+            spare_acc=meta[SCORE:, :, :, spare],
+            keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
+            ids=meta[IDS], key=meta[KEY], scores=meta_f[SCORE], queries=meta_f[QUERIES],
+            scores3=meta_f[SCORE].view(b * h, 1, cap),
+            ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
+            scale=torch.tensor(scaling, dtype=acc, device=dev),
+            one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
+            id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
+            spare_index=torch.tensor(spare, device=dev),
+            threshold=torch.zeros((), dtype=meta.dtype, device=dev),
+            logits=kv.new_empty(b * h, group, cap),
+            # softmax in at least float32, like transformers' eager attention: for a bf16 model
+            # the logits are copied up and the probabilities down, into buffers made here
+            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != kv.dtype else None,
+            probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
+            probs_low=kv.new_empty(b * h, group, cap) if acc != kv.dtype else None,
+            out=kv.new_empty(b * h, group, d),
+            protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
+            rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
+            is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
+            tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
+            victim=torch.empty(b, h, 1, dtype=torch.long, device=dev),
+            stage_kv=kv.new_empty(2, b, h, 1, d), stage_meta=meta.new_empty(N_META, b, h, 1),
+            # the victims as indices into the slots of every (row, head) laid end to end: one
+            # index_copy_ moves the spare (a bf16 scatter_ along the slot dim is ~10x slower on CPU)
+            kv_flat=kv.view(2, b * h * cap, d), meta_flat=meta.view(N_META, b * h * cap),
+            slot_base=torch.arange(0, b * h * cap, cap, device=dev),
+            flat_victim=torch.empty(b * h, dtype=torch.long, device=dev),
+        )
+
+    def write_spare(self, keys, values, next_id, kept_rows=()):
+        """The new tokens [b, h, 1, d] into the spare slot: id and RoPE position `next_id` (an int
+        for every row, or [b] per row), protected while recent, or for good in `kept_rows`; score
+        and query count zero."""
+        self.spare_k.copy_(keys)
+        self.spare_v.copy_(values)
+        if isinstance(next_id, int):
+            self.spare_ints.fill_(next_id)
+        else:
+            self.spare_ints.copy_(next_id.view(1, -1, 1).expand_as(self.spare_ints))
+        for row in kept_rows:
+            self.spare_key[row].fill_(self.id_max)
+        self.spare_acc.fill_(0)
+
+
+def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = None):
+    """The decode step once the new token sits in the spare slot (`write_spare`, and s.threshold set
+    for one conversation): attend over every slot, add the mass to the scores, pick one victim per
+    row and head and move the spare into it. query [b, q_heads, 1, d] -> [b, 1, q_heads, d].
+    rows: None for one conversation, else what differs between stacked ones."""
+    b, q_heads, _, d = query.shape
+    bh = s.scores3.shape[0]
+    logits = torch.bmm(query.reshape(bh, s.group, d), s.keys_t, out=s.logits)  # a view unless rows > 1 come strided
+    if s.logits_acc is not None:
+        logits = s.logits_acc.copy_(logits)
+    logits.mul_(s.scale)
+    if rows is not None and rows.empty is not None:
+        logits.view(b, -1, s.group, logits.shape[-1]).masked_fill_(rows.empty[:, :, None], -torch.inf)
+    probs = torch.softmax(logits, -1, out=s.probs)
+    out = torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
+    # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
+    weights = s.ones if rows is None else rows.weights
+    if config.score == "decay":
+        if rows is None:
+            s.scores3.baddbmm_(weights, probs, beta=config.decay)
+        else:
+            s.scores3.mul_(rows.beta).baddbmm_(weights, probs)
+    else:
+        s.scores3.baddbmm_(weights, probs)
+    if config.score == "mean":
+        s.queries.add_(s.one if rows is None else rows.query_add)
+    # the victim: the unprotected slot of lowest priority, the older token on ties
+    torch.ge(s.key, s.threshold if rows is None else rows.threshold, out=s.protected)
+    if config.policy == "h2o":
+        priority = s.scores / s.queries.clamp(min=1) if config.score == "mean" else s.scores
+        torch.where(s.protected, s.inf, priority, out=s.rank)
+        torch.amin(s.rank, -1, keepdim=True, out=s.lowest)
+        torch.eq(s.rank, s.lowest, out=s.is_lowest)
+        torch.where(s.is_lowest, s.ids, s.id_max, out=s.tiebreak)
+    else:  # window, sink: the oldest unprotected token
+        torch.where(s.protected, s.id_max, s.ids, out=s.tiebreak)
+    if rows is not None and rows.empty is not None:
+        s.tiebreak.masked_fill_(rows.empty, -1)  # a free slot is taken before any token is evicted
+    torch.argmin(s.tiebreak, -1, keepdim=True, out=s.victim)
+    if rows is not None and rows.idle is not None:
+        torch.where(rows.idle, s.spare_index, s.victim, out=s.victim)
+    # cache replace: the spare slot (copied out first: a source may not alias its target)
+    s.stage_kv.copy_(s.spare_kv)
+    s.stage_meta.copy_(s.spare_meta)
+    torch.add(s.slot_base, s.victim.view(-1), out=s.flat_victim)
+    s.kv_flat.index_copy_(1, s.flat_victim, s.stage_kv.view(2, -1, d))
+    s.meta_flat.index_copy_(1, s.flat_victim, s.stage_meta.view(N_META, -1))
+    return out.view(b, 1, q_heads, d)
