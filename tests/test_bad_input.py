@@ -609,14 +609,19 @@ APP_CACHE_FIELDS = [  # (budget, recent window, sinks) as the page's number fiel
 ]
 
 
+def typed_cache(budget, n_recent, n_sink):
+    """The Cache fields by name, as the page sends them."""
+    return dict(policy="h2o", budget=budget, n_recent=n_recent, n_sink=n_sink, score="sum", positions="rolling")
+
+
 @pytest.mark.parametrize("budget, n_recent, n_sink, match", APP_CACHE_FIELDS)
 def test_the_apps_cache_fields_are_checked(budget, n_recent, n_sink, match):
     with pytest.raises(ValueError, match=match):
-        cache_config(ui_settings.cache_settings("h2o", budget, n_recent, n_sink, "sum", "rolling"))
+        cache_config(ui_settings.cache_settings(typed_cache(budget, n_recent, n_sink)))
 
 
 def test_a_recent_window_of_0_means_half():
-    assert ui_settings.cache_settings("h2o", 64, 0, 4, "sum", "rolling")["n_recent"] is None
+    assert ui_settings.cache_settings(typed_cache(64, 0, 4))["n_recent"] is None
 
 
 APP_SAMPLING_FIELDS = [  # (temperature, top-p, max new tokens) as the page's fields send them
@@ -631,7 +636,8 @@ APP_SAMPLING_FIELDS = [  # (temperature, top-p, max new tokens) as the page's fi
 def test_the_apps_sampling_fields_are_checked(temperature, top_p, max_new, match):
     session = SimpleNamespace(system_prompt=None)
     with pytest.raises(ValueError, match=match):
-        sampling(ui_settings.sampling_settings(session, "", temperature, top_p, max_new))
+        sampling(ui_settings.sampling_settings(session, "", dict(temperature=temperature, top_p=top_p,
+                                                                 max_new_tokens=max_new)))
 
 
 @pytest.mark.parametrize("value, match", [
@@ -651,9 +657,9 @@ def test_the_sliders_refuse_values_outside_their_range():
     with gr.Blocks():
         settings = ui_settings.build()
     with pytest.raises(gr.Error, match="Value -1 is less than minimum value 0"):
-        settings.temperature.preprocess(-1)
+        settings.sampling["temperature"].preprocess(-1)
     with pytest.raises(gr.Error, match="greater than maximum value 1"):
-        settings.top_p.preprocess(1.5)
+        settings.sampling["top_p"].preprocess(1.5)
 
 
 @pytest.mark.parametrize("layer, head, match", [
@@ -664,8 +670,8 @@ def test_the_sliders_refuse_values_outside_their_range():
 def test_odd_picks_warn_and_leave_the_view_as_it_was(layer, head, match):
     view = {"layer": 1, "head": 0}
     with pytest.warns(UserWarning, match=match):
-        shown = ui_panel.pick(None, view, layer, head, n_layers=2, n_heads=2)
-    assert shown == ui_panel.skip() and view == {"layer": 1, "head": 0}
+        shown = ui_panel.pick(None, None, view, layer, head, n_layers=2, n_heads=2)
+    assert shown == {} and view == {"layer": 1, "head": 0}
 
 
 @pytest.mark.parametrize("act, match", [

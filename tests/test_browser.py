@@ -264,7 +264,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.get_by_text("Cache (changing it replays the chat)").click()
     page.get_by_text("Generation").first.click()
     # the page's load fills every field from its conversation: typing before that would be overwritten
-    page.wait_for_function("() => document.querySelector('#max-new input')?.value === '5000'", timeout=WAIT_MS)
+    page.wait_for_function("() => document.querySelector('#max-new-tokens input')?.value === '5000'", timeout=WAIT_MS)
     send(page, "Restore me with my settings")
     stop_and_settle(page)
     # each Apply's answer fills every field from the conversation, so the next fields are typed only
@@ -273,7 +273,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.wait_for_function("() => document.querySelector('#stats').innerText.includes('40 slots per head')",
                            timeout=WAIT_MS)  # the cache the chat now runs on
     stats_before = page.inner_text("#stats")
-    page.locator("#max-new input").fill("500")
+    page.locator("#max-new-tokens input").fill("500")
     page.locator("#system-prompt textarea").fill("You are a lighthouse keeper.")
     page.click("#apply-sampling")
     page.wait_for_function("(before) => document.querySelector('#stats').innerText !== before", arg=stats_before,
@@ -282,7 +282,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.click("#new-chat")
     page.wait_for_function("() => document.querySelectorAll('#chat .user-row').length === 0", timeout=WAIT_MS)
     page.wait_for_function("() => document.querySelector('#budget input').value === '48'", timeout=WAIT_MS)
-    assert field(page, "max-new") == "5000" and field(page, "system-prompt") == ""  # the new chat's own settings
+    assert field(page, "max-new-tokens") == "5000" and field(page, "system-prompt") == ""  # the new chat's own settings
 
     page.get_by_text("Saved conversations and export").click()
     pick_saved = page.locator("#saved input")
@@ -292,7 +292,7 @@ def test_restore_brings_back_the_saved_settings_and_the_fields_show_them(page):
     page.click("#restore")
     page.get_by_text("Restore me with my settings").first.wait_for(timeout=WAIT_MS)
     page.wait_for_function("() => document.querySelector('#budget input').value === '40'", timeout=WAIT_MS)
-    assert field(page, "max-new") == "500" and field(page, "system-prompt") == "You are a lighthouse keeper."
+    assert field(page, "max-new-tokens") == "500" and field(page, "system-prompt") == "You are a lighthouse keeper."
     assert "40 slots per head" in page.inner_text("#stats")
 
 

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from h2o_chat import ChatSession
-from h2o_chat.ui import draw as panel
+from h2o_chat.ui import draw
 from tests.conftest import make_tiny_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,7 +34,7 @@ def folded_count(page):
 
 def test_every_token_is_shown_or_folded_in_order(session):
     ret = session.ledger.retention(session.cache)
-    page = panel.token_map(session.ledger, ret)
+    page = draw.token_map(session.ledger, ret)
     shown = shown_indices(page)
     assert shown == sorted(shown) and len(shown) + folded_count(page) == len(session.ledger)
     assert folded_count(page) > 0  # a chat 4x the budget has long evicted runs
@@ -47,53 +47,53 @@ def test_head_selector_shows_that_heads_exact_set(session):
     ret = session.ledger.retention(session.cache)
     for layer in range(2):
         for head in range(2):
-            page = panel.token_map(session.ledger, ret, layer=layer, head=head)
+            page = draw.token_map(session.ledger, ret, layer=layer, head=head)
             kept_shown = {int(m) for m in re.findall(r'class="tok st-(?!evicted)[a-z]+" data-i="(\d+)"', page)}
             assert kept_shown == set(session.cache.token_ids(layer)[0, head].tolist())
 
 
 def test_hover_title_says_index_turn_score_and_heads(session):
     ret = session.ledger.retention(session.cache)
-    page = panel.token_map(session.ledger, ret)
+    page = draw.token_map(session.ledger, ret)
     title = re.search(r'data-i="0"[^>]*title="([^"]*)"', page).group(1)
     assert title.startswith("token 0 · turn 0 · user · sink · kept by 4/4 heads · score")
 
 
 def test_top_heavy_hitters_are_heavy_and_sorted(session):
     ret = session.ledger.retention(session.cache)
-    rows = panel.top_heavy(session.ledger, ret, k=5)
+    rows = draw.top_heavy(session.ledger, ret, k=5)
     assert len(rows) == 5 and [r["score"] for r in rows] == sorted((r["score"] for r in rows), reverse=True)
     assert all(ret["status"][r["index"]] == "heavy" for r in rows)
 
 
 def test_memory_rows_and_stats(session):
-    rows = panel.memory_rows(session.turn_stats)
+    rows = draw.memory_rows(session.turn_stats)
     this = [r for r in rows if r["cache"] == "this cache"]
     full = [r for r in rows if r["cache"] == "a full cache"]
     assert len(this) == len(full) == len(TURNS) * 3 + 1  # every reply, and the origin
     assert this[-1]["slots per head"] == 48 and full[-1]["slots per head"] == session.stats["tokens_seen"]
-    text = panel.stats_markdown(session.stats, session.ledger.retention(session.cache))
+    text = draw.stats_markdown(session.stats, session.ledger.retention(session.cache))
     assert f"{session.stats['tokens_seen']:,}** tokens seen" in text and "saved" in text
-    assert "heavy hitters" in panel.legend_html("h2o") and ">kept<" in panel.legend_html("h2o")
+    assert "heavy hitters" in draw.legend_html("h2o") and ">kept<" in draw.legend_html("h2o")
 
 
 def test_points_from_before_a_replay_or_undo_are_dropped():
     point = lambda n, kv: {"tokens_seen": n, "kv_bytes": kv, "full_kv_bytes": 2 * n, "slots_used": n}  # noqa: E731
-    rows = panel.memory_rows([point(10, 10), point(40, 30), point(20, 20), point(50, 30)])
+    rows = draw.memory_rows([point(10, 10), point(40, 30), point(20, 20), point(50, 30)])
     assert [r["tokens seen"] for r in rows if r["cache"] == "this cache"] == [0, 10, 40, 50]
 
 
 def test_one_point_has_a_readable_scale():
-    rows = panel.memory_rows([{"tokens_seen": 57, "kv_bytes": 2.504883 * 2**20, "full_kv_bytes": 3 * 2**20,
+    rows = draw.memory_rows([{"tokens_seen": 57, "kv_bytes": 2.504883 * 2**20, "full_kv_bytes": 3 * 2**20,
                                "slots_used": 48}])
-    assert panel.chart_limits(rows, "tokens seen") == [0, pytest.approx(57 * 1.15)]
+    assert draw.chart_limits(rows, "tokens seen") == [0, pytest.approx(57 * 1.15)]
     assert rows[2]["KV MiB"] == 2.505  # rounded, not 2.504883 as a raw tick
     assert rows[0]["tokens seen"] == 0 and rows[0]["KV MiB"] == 0  # a line from the origin, not a lone point
 
 
 @pytest.mark.parametrize("policy, absent", [("sink", "H2O keeps"), ("window", "heavy hitters"), ("full", "evicts")])
 def test_every_sentence_fits_the_policy(policy, absent):
-    legend = panel.legend_html(policy)
+    legend = draw.legend_html(policy)
     assert absent not in legend
     if policy != "h2o":
         assert "st-heavy" not in legend  # no colour for a status this policy never shows
@@ -101,7 +101,7 @@ def test_every_sentence_fits_the_policy(policy, absent):
 
 def test_a_layer_with_all_heads_shows_that_layers_union(session):
     ret = session.ledger.retention(session.cache)
-    page = panel.token_map(session.ledger, ret, layer=1)
+    page = draw.token_map(session.ledger, ret, layer=1)
     kept_shown = {int(m) for m in re.findall(r'class="tok st-(?!evicted)[a-z]+" data-i="(\d+)"', page)}
     ids = session.cache.token_ids(1)[0]
     assert kept_shown == set(ids.flatten().tolist())  # every token some head of layer 1 keeps, no other
@@ -110,17 +110,17 @@ def test_a_layer_with_all_heads_shows_that_layers_union(session):
 
 def test_counts_and_heavy_table_follow_the_view(session):
     ret = session.ledger.retention(session.cache)
-    one = panel.counts(ret, layer=0, head=1)
+    one = draw.counts(ret, layer=0, head=1)
     assert sum(n for s, n in one.items() if s != "evicted") == 48  # exactly one head's slots
-    rows = panel.top_heavy(session.ledger, ret, layer=0, head=1, k=50)
+    rows = draw.top_heavy(session.ledger, ret, layer=0, head=1, k=50)
     held = set(session.cache.token_ids(0)[0, 1].tolist())
     assert rows and all(r["index"] in held and r["heads"] == "1/1" for r in rows)
-    assert "In layer 0, head 1:" in panel.stats_markdown(session.stats, ret, 0, 1)
+    assert "In layer 0, head 1:" in draw.stats_markdown(session.stats, ret, 0, 1)
 
 
 def test_the_summary_does_not_call_every_token_heavy(session):
     ret = session.ledger.retention(session.cache)
-    statuses = panel.token_statuses(ret)
+    statuses = draw.token_statuses(ret)
     share = ret["kept"].float().mean(dim=(0, 1))
     for t, (status, _) in enumerate(statuses):
         if status == "heavy":
@@ -133,14 +133,14 @@ def test_the_retention_map_has_one_row_per_layer_and_shows_the_pattern(session):
     from PIL import Image
 
     ret = session.ledger.retention(session.cache)
-    image = Image.open(BytesIO(panel.retention_png(ret)))
+    image = Image.open(BytesIO(draw.retention_png(ret)))
     n_layers, _, n = ret["kept"].shape
-    assert image.size == (min(n, panel.MAP_COLUMNS), n_layers * panel.MAP_ROW_PX)
+    assert image.size == (min(n, draw.MAP_COLUMNS), n_layers * draw.MAP_ROW_PX)
     pixels = image.convert("L").load()
     first, last, row = pixels[0, 0], pixels[image.size[0] - 1, 0], 0
     assert first < 100 and last < 100  # sinks and the recent window: kept by every head (dark)
     assert max(pixels[x, row] for x in range(image.size[0])) == 255  # somewhere evicted by every head (white)
-    assert "layer 0 → " in panel.retention_map_html(ret) and "token position 0 → " in panel.retention_map_html(ret)
+    assert "layer 0 → " in draw.retention_map_html(ret) and "token position 0 → " in draw.retention_map_html(ret)
 
 
 def test_the_map_shows_the_tokens_its_retention_was_read_for(session):
@@ -150,7 +150,7 @@ def test_the_map_shows_the_tokens_its_retention_was_read_for(session):
     n = len(session.ledger)
     ledger = copy.deepcopy(session.ledger)
     ledger.append([1, 2, 3], ["a", "b", "c"], "assistant", 99)
-    page = panel.token_map(ledger, ret)
+    page = draw.token_map(ledger, ret)
     shown = shown_indices(page)
     assert len(shown) + folded_count(page) == n and max(shown) < n
 
@@ -164,14 +164,14 @@ def test_a_chat_opened_without_a_reply_since_shows_no_timing(tiny_chat, tmp_path
     "".join(s.send("Hello there"))
     reopened = ChatSession.open(model, tok, s.id, str(tmp_path))
     assert reopened.stats["ttft_s"] is None and reopened.stats["tokens_per_s"] is None
-    text = panel.stats_markdown(reopened.stats, reopened.ledger.retention(reopened.cache))
+    text = draw.stats_markdown(reopened.stats, reopened.ledger.retention(reopened.cache))
     assert "no reply yet since it was opened" in text and "TTFT" not in text
-    assert "TTFT" in panel.stats_markdown(s.stats, s.ledger.retention(s.cache))
+    assert "TTFT" in draw.stats_markdown(s.stats, s.ledger.retention(s.cache))
 
 
 def test_the_stats_say_when_a_reply_is_still_streaming(session):
     # the browser shows no progress of its own while a reply streams: the stats line says it
     ret = session.ledger.retention(session.cache)
-    assert "waiting for the first token" in panel.stats_markdown(session.stats, ret, live=(None, None))
-    assert "· streaming" in panel.stats_markdown(session.stats, ret, live=(0.2, 12.5))
-    assert "streaming" not in panel.stats_markdown(session.stats, ret)  # the finished turn
+    assert "waiting for the first token" in draw.stats_markdown(session.stats, ret, live=(None, None))
+    assert "· streaming" in draw.stats_markdown(session.stats, ret, live=(0.2, 12.5))
+    assert "streaming" not in draw.stats_markdown(session.stats, ret)  # the finished turn

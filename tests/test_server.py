@@ -33,5 +33,6 @@ def test_the_generation_fields_start_at_the_sampling_defaults():
     with gr.Blocks():
         fields = ui_settings.build()
     defaults = Sampling()
-    assert (fields.temperature.value, fields.top_p.value, fields.max_new.value) == (
+    shown = fields.sampling
+    assert (shown["temperature"].value, shown["top_p"].value, shown["max_new_tokens"].value) == (
         defaults.temperature, defaults.top_p, defaults.max_new_tokens)

@@ -58,8 +58,8 @@ def page_speed(model, budget, turns, new_tokens, app_dir=None):
 def set_greedy(page, new_tokens):
     """Temperature 0 and the reply length, through the Settings fields as a user sets them."""
     page.get_by_text("Generation").first.click()
-    apply_settings(page, "#apply-sampling", {"#temperature input[type=number]": "0", "#max-new input": str(new_tokens)})
-    page.wait_for_function(f"() => document.querySelector('#max-new input').value === '{new_tokens}'")
+    apply_settings(page, "#apply-sampling", {"#temperature input[type=number]": "0", "#max-new-tokens input": str(new_tokens)})
+    page.wait_for_function(f"() => document.querySelector('#max-new-tokens input').value === '{new_tokens}'")
 
 
 def apply_settings(page, button, typed, tries=5):

@@ -15,7 +15,7 @@ from .common import text_tokens, write_results
 
 def run(args):
     # here, not at the top: ui.state imports gradio, which no other benchmark needs
-    from ..ui import draw as panel
+    from ..ui import draw
     from ..ui.state import CHAT_EVERY_S, PANEL_EVERY_S
 
     model, tokenizer = load_model(args.model)
@@ -30,7 +30,7 @@ def run(args):
             start = start or time.perf_counter()
             n += 1
             if refresh and time.perf_counter() - last >= PANEL_EVERY_S:
-                panel.render(session)
+                draw.panel(session)
                 last = time.perf_counter()
         rows.append({"measure": "decode with panel" if refresh else "decode without panel",
                      "value": round(session.last_turn.new_tokens / session.last_turn.decode_s, 2), "unit": "tokens/s"})
@@ -40,7 +40,7 @@ def run(args):
     "".join(session.send(tokenizer.decode(text[0])))  # prefilled, and the one-token reply drawn
     for _ in range(3):
         start = time.perf_counter()
-        view = panel.render(session)
+        view = draw.panel(session)
         rows.append({"measure": f"render panel of {len(session.ledger):,} tokens", "value":
                      round(time.perf_counter() - start, 3), "unit": "s"})
         print(rows[-1], f"{len(view['token_map']) / 1e6:.2f} MB of HTML", flush=True)

@@ -103,19 +103,17 @@ class CacheConfig:
         `n_sink + n_recent` over an int budget.
     """
 
-    policy: str = setting("h2o", "what fills the budget: heavy hitters and the newest tokens (h2o), the sinks and "
-                          "the newest (sink, StreamingLLM), the newest only (window), everything (full)",
-                          label="Policy", choices=POLICIES)
+    policy: str = setting("h2o", "h2o: heavy hitters + newest; sink: sinks + newest (StreamingLLM); window: newest "
+                          "only; full: never evict", label="Policy", choices=POLICIES)
     budget: int | float = setting(512, "KV slots per layer and KV head", label="Budget (slots)")
     n_sink: int = setting(4, "first tokens always kept (attention sinks)", label="Sinks", low=0, integer=True)
-    n_recent: int | float | None = setting(None, "newest tokens always kept (None: half of what the sinks leave)",
+    n_recent: int | float | None = setting(None, "newest tokens always kept (default: half of what the sinks leave)",
                                            label="Recent window (0 = half)", low=0)
-    score: str = setting("sum", "how attention adds up into a token's score: summed (the paper), mean per query "
-                         "that saw it, or exponentially decayed", label="Score", choices=SCORES)
+    score: str = setting("sum", "a token's attention, summed (the paper), per query that saw it (mean), or decayed",
+                         label="Score", choices=SCORES)
     decay: float = setting(0.9, "the factor of score='decay'", low=0, high=1, low_open=True)
-    positions: str = setting("rolling", "RoPE positions of kept keys: rolling re-lays them so a chat can outlive "
-                             "the model's context; absolute keeps them where they were written",
-                             label="Positions", choices=POSITIONS)
+    positions: str = setting("rolling", "rolling re-lays kept keys so a chat outlives the model's context; absolute "
+                             "keeps them where written", label="Positions", choices=POSITIONS)
     prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
 
     def __post_init__(self):

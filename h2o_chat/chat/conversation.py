@@ -34,7 +34,7 @@ TITLE_WORDS = 8
 class Sampling:
     """How replies are drawn: the one declaration of every sampling setting (see cache.config.setting)."""
 
-    temperature: float = setting(0.7, "randomness of replies (0 = greedy)", label="Temperature (0 = greedy)",
+    temperature: float = setting(0.7, "randomness of replies (0 = greedy)", label="Temperature",
                                  low=0, high=5)
     top_p: float = setting(0.9, "draw from the likeliest tokens that together reach this probability",
                            label="Top-p", low=0, high=1, low_open=True)

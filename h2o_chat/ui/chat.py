@@ -64,7 +64,7 @@ def pin_wanted(liked):
 
 
 def stream_into(tab, session, state, stream, saved):
-    """Yield the tab's outputs while `stream` (text pieces) runs: the chat at the first piece and
+    """Yield the tab's updates while `stream` (text pieces) runs: the chat at the first piece and
     then at most every CHAT_EVERY_S, the panel at most every PANEL_EVERY_S with this reply's live
     TTFT and speed, and everything once the stream ends."""
     started, first_at, n_first = time.perf_counter(), None, 0
@@ -89,7 +89,7 @@ def stream_into(tab, session, state, stream, saved):
     yield tab.streamed(session, state, saved=saved)
 
 
-# --- callbacks (app: ui_state.App, tab: ui.Tab) --------------------------------------------------
+# --- callbacks (app: state.App, tab: page.Tab) --------------------------------------------------
 def ensure_session(app, tab, session, conversation_id, progress=None):
     """The tab's session; a tab whose server restarted has none: reopen the conversation the
     browser remembers (a replay), or start a new one."""
@@ -101,30 +101,34 @@ def ensure_session(app, tab, session, conversation_id, progress=None):
 
 
 def reply(app, tab, message, session, conversation_id, state, progress=None):
-    """Step 2 of a send: yield (message box, *tab outputs) while the reply to `message` streams.
-    The box is left alone (gr.skip()), except that a message the session refuses (empty, too
-    long, out of memory while reading it) goes back into it."""
+    """Step 2 of a send: yield the tab's updates while the reply to `message` streams. The message
+    box is left alone, except that a message the session refuses (empty, too long, out of memory
+    while reading it) goes back into it (the last update then carries the box)."""
+    box = tab.chat.text
     try:
         session = ensure_session(app, tab, session, conversation_id, progress)
         n_before = len(session.messages)
         stream = session.send(message)
     except ValueError as e:
         warn(e)
-        yield (message, *tab.streamed(session, state))
+        yield {box: message, **tab.streamed(session, state)}
         return
     last = None
-    for out in stream_into(tab, session, state, stream, saved=True):
+    for update in stream_into(tab, session, state, stream, saved=True):
         if last is not None:
-            yield (gr.skip(), *last)
-        last = out
+            yield last
+        last = update
     taken_back = len(session.messages) == n_before  # the session could not even read it
-    yield (message if taken_back else gr.skip(), *last)
+    yield {box: message, **last} if taken_back else last
 
 
-def send_whole(app, tab, text, session, state):
-    """Both steps in one call, for scripts (the /send route): (box, *tab outputs)."""
-    for box, *out in reply(app, tab, text, session, None, state):
-        yield ("" if isinstance(box, dict) else box, *out)  # a dict is gr.skip(): the message was taken
+def send_whole(app, tab, text, session, state, box):
+    """Both steps in one call, for scripts (the /send route, whose own text field is `box`): the box
+    is emptied once the message is taken, and keeps a refused one."""
+    for update in reply(app, tab, text, session, None, state):
+        refused = tab.chat.text in update
+        message = update.pop(tab.chat.text, None)
+        yield {**update, box: message if refused else ""}
 
 
 def act(tab, session, state, action):
@@ -180,10 +184,11 @@ def wire(app, tab, c, session, conversation_id, state):
     pending = gr.Textbox(visible=False)  # the message on its way, out of the box
 
     def step2(message, typed, session, conversation_id, state, progress=gr.Progress()):
-        for box, *out in reply(app, tab, message, session, conversation_id, state, progress):
-            if not isinstance(box, dict) and typed:  # refused: back in the box, before what was typed since
-                box = f"{box or ''}{typed}"
-            yield (box, *tab.live(out))
+        for update in reply(app, tab, message, session, conversation_id, state, progress):
+            shown = tab.live(update)
+            if c.text in update:  # refused: back in the box, before what was typed since
+                shown[c.text] = f"{update[c.text] or ''}{typed or ''}"
+            yield shown
 
     for trigger in (c.text.submit, c.send_btn.click):
         streamed = trigger(None, inputs=c.text, outputs=[pending, c.text], js=SEND_JS, queue=False,

@@ -1,5 +1,5 @@
-"""Ledger -> what the UI shows: the token map (HTML), the retention map (a PNG), the legend,
-stats and chart rows.
+"""Drawing the panel from the ledger: the token map (HTML), the retention map (a PNG), the legend,
+stats and chart rows (`panel` draws them all).
 
 Everything here is plain Python data and strings; the UI never sees a tensor. Colours are from
 the Okabe-Ito palette (distinguishable with the common colour-vision deficiencies), and every
@@ -247,8 +247,8 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
             f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
 
 
-def render(session, layer=None, head=None, live=None, maps=True):
-    """Everything the panel shows for a session, as strings and plain rows (no tensors).
+def panel(session, layer=None, head=None, live=None, maps=True):
+    """Everything the panel shows for a session, drawn as strings and plain rows (no tensors).
     The charts plot the session's points (it starts them again after a replay) and now.
     maps=False leaves the token map and the retention map empty: the costly parts on a long chat,
     not needed to draw the charts alone."""

@@ -1,9 +1,9 @@
-"""The Gradio app: one ChatSession per browser tab over a shared model, and the live panel.
+"""The Gradio page: one ChatSession per browser tab over a shared model, and the live panel.
 
-The pieces, each readable alone: ui_chat (the chat column), ui_settings (settings, saved
-conversations, export), ui_panel (the cache panel); ui_state holds what they share. This module
-lays them out and says what each event shows (`Tab`). Errors a user can cause (ValueError)
-become a warning toast and change nothing.
+The pieces, each readable alone: chat.py (the chat column), settings.py (settings, saved
+conversations, export), panel.py (the cache panel, drawn by draw.py); state.py holds what they
+share. This module lays them out and says what each event updates (`Tab`). Errors a user can
+cause (ValueError) become a warning toast and change nothing.
 """
 
 from importlib import resources
@@ -15,7 +15,7 @@ from ..chat.conversation import cache_config
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
-from .state import BROWSER_KEY, PANEL_EVERY_S, App, chat_view, new_view, tell, warn  # noqa: F401 (PANEL_EVERY_S: bench reads it here)
+from .state import BROWSER_KEY, App, chat_view, new_view, tell, warn
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
@@ -41,58 +41,55 @@ HEAD = f"<script>{read_asset('app.js')}</script>"
 
 
 class Tab:
-    """What a tab shows, as output lists and their values: `streamed` (chat, saved list, panel)
-    after any chat action, `everything` (plus every settings field) when the conversation
-    itself changes (new chat, restore, reload, Apply)."""
+    """What a tab shows. Every event returns a Gradio update, {component: value}; these lists name
+    what each kind of event may update: `streamed_outputs` (chat, saved list, panel) after any chat
+    action, `live_outputs` while a reply streams into the page (the panel's live part), and
+    `everything_outputs` (plus every settings field) when the conversation itself changes (new
+    chat, restore, reload, Apply). A component left out of an update stays as it is."""
 
     def __init__(self, app, session, conversation_id, state, chat, settings, panel):
         self.app, self.session, self.conversation_id, self.state = app, session, conversation_id, state
         self.chat, self.settings, self.panel = chat, settings, panel
 
     def streamed_outputs(self):
-        return [self.session, self.conversation_id, self.chat.chatbot, self.settings.saved,
-                *ui_panel.outputs(self.panel)]
-
-    # positions in streamed_outputs() of what a reply streaming into the page updates: the session,
-    # conversation id, chat and saved list, then the panel's live view (less the charts)
-    LIVE = (0, 1, 2, 3, *(4 + i for i in ui_panel.LIVE))
+        return [self.session, self.conversation_id, self.chat.chatbot, self.settings.saved, *self.panel.shown]
 
     def live_outputs(self):
-        return [self.streamed_outputs()[i] for i in self.LIVE]
-
-    def chart_outputs(self):
-        """What the page draws once a streamed reply has ended (`charts`)."""
-        return [ui_panel.outputs(self.panel)[i] for i in ui_panel.CHARTS]
+        return [self.session, self.conversation_id, self.chat.chatbot, self.settings.saved, *self.panel.live]
 
     def everything_outputs(self):
         return self.streamed_outputs() + self.settings.fields()
 
     def streamed(self, session, state, live=None, panel=True, saved=True):
+        """The update after a chat action; panel=False leaves the panel, saved=False the saved list."""
+        shown = {self.session: session, self.chat.chatbot: chat_view(session)}
+        if session is not None and session.messages:
+            shown[self.conversation_id] = session.id
         if saved:
             tell(session)
-        saved_list = gr.Dropdown(choices=self.app.saved()) if saved else gr.skip()
-        shown = ui_panel.view(session, state, live) if panel else ui_panel.skip()
-        conversation_id = session.id if session is not None and session.messages else gr.skip()
-        return (session, conversation_id, chat_view(session), saved_list, *shown)
+            shown[self.settings.saved] = gr.Dropdown(choices=self.app.saved())
+        if panel:
+            shown |= ui_panel.update(self.panel, session, state, live)
+        return shown
 
-    def live(self, values):
-        """streamed() values cut to live_outputs()."""
-        return tuple(values[i] for i in self.LIVE)
+    def live(self, update):
+        """An update cut to what a reply streaming into the page shows."""
+        return {component: value for component, value in update.items() if component in set(self.live_outputs())}
 
     def charts(self, session, state):
-        shown = ui_panel.view(session, state, maps=False)
-        return tuple(shown[i] for i in ui_panel.CHARTS)
+        update = ui_panel.update(self.panel, session, state, maps=False)
+        return {component: update[component] for component in self.panel.charts}
 
     def charts_after(self, event):
-        """Draw the charts (chart_outputs) again once `event` ends. Every page event that shows
-        the charts is followed by this: Gradio 6's LinePlot, given a new value, hands its plot the
-        data of the value before (two of its effects run in that order), so a chart shows a value
-        only once another arrives. The same value again, right after, makes it show."""
-        return event.then(self.charts, inputs=[self.session, self.state], outputs=self.chart_outputs(), queue=False,
+        """Draw the charts again once `event` ends. Every page event that shows the charts is
+        followed by this: Gradio 6's LinePlot, given a new value, hands its plot the data of the
+        value before (two of its effects run in that order), so a chart shows a value only once
+        another arrives. The same value again, right after, makes it show."""
+        return event.then(self.charts, inputs=[self.session, self.state], outputs=self.panel.charts, queue=False,
                           api_visibility="private", show_progress="hidden")  # no loading veil: the old drawing stays until then
 
     def everything(self, session, state):
-        return self.streamed(session, state) + tuple(ui_settings.values(session))
+        return self.streamed(session, state) | ui_settings.values(self.settings, session)
 
 
 def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None):
@@ -164,24 +161,21 @@ def wire_conversation(app, tab, session, conversation_id, state):
             old.close()
         return tab.everything(restored, state)
 
-    def apply_cache(current, state, policy, budget, n_recent, n_sink, score, positions, progress=gr.Progress()):
-        fields = (policy, budget, n_recent, n_sink, score, positions)
+    def apply_cache(current, state, progress=gr.Progress(), *typed):  # Gradio finds progress among the positionals
         current = current or app.new_session()
         current.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
         try:
-            current.configure(cache=ui_settings.cache_settings(*fields))
+            current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
         except ValueError as e:
             warn(e)
         finally:
             current.on_progress = None
         return tab.everything(current, state)
 
-    def apply_sampling(current, state, system_prompt, temperature, top_p, max_new_tokens):
-        fields = (system_prompt, temperature, top_p, max_new_tokens)
+    def apply_sampling(current, state, system_prompt, *typed):
         current = current or app.new_session()
         try:
-            changes = ui_settings.sampling_settings(current, *fields)
-            current.configure(**changes)
+            current.configure(**ui_settings.sampling_settings(current, system_prompt, dict(zip(s.sampling, typed))))
         except ValueError as e:
             warn(e)
         return tab.everything(current, state)
@@ -190,9 +184,9 @@ def wire_conversation(app, tab, session, conversation_id, state):
                                      api_name="new_chat"))
     tab.charts_after(s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything, **limit,
                                          api_name="restore"))
-    tab.charts_after(s.cache_btn.click(apply_cache, inputs=[session, state, *s.cache_fields()], outputs=everything,
+    tab.charts_after(s.cache_btn.click(apply_cache, inputs=[session, state, *s.cache.values()], outputs=everything,
                                        **limit, api_name="apply_cache"))
-    tab.charts_after(s.sampling_btn.click(apply_sampling, inputs=[session, state, *s.sampling_fields()],
+    tab.charts_after(s.sampling_btn.click(apply_sampling, inputs=[session, state, s.system_prompt, *s.sampling.values()],
                                           outputs=everything, **limit, api_name="sampling"))
     s.export_btn.click(ui_settings.export, inputs=session, outputs=[s.export_md, s.export_json], api_name="export")
     return load
@@ -201,14 +195,14 @@ def wire_conversation(app, tab, session, conversation_id, state):
 def wire_api(app, tab, session, state):
     """Routes for scripts (gradio_client) that the page reaches through the Chatbot's own
     controls: the whole send, regenerate, continue, undo, edit and pin by message number, the saved
-    list. Each returns every output, the charts included (the page's streams leave them to the end)."""
+    list. Each answers with every output, the charts included (the page's streams leave them to the end)."""
     with gr.Group(visible=False):
-        text, turn, pinned = gr.Textbox(), gr.Number(precision=0), gr.Checkbox()
+        text_box, turn, pinned = gr.Textbox(), gr.Number(precision=0), gr.Checkbox()
         send_btn, edit_btn, pin_btn, regen_btn, cont_btn, undo_btn, list_btn = (gr.Button() for _ in range(7))
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
 
     def send(text, session, state):
-        yield from ui_chat.send_whole(app, tab, text, session, state)
+        yield from ui_chat.send_whole(app, tab, text, session, state, box=text_box)
 
     def edit(session, state, turn, text):
         return ui_chat.edit(tab, session, state, turn, text)
@@ -216,9 +210,10 @@ def wire_api(app, tab, session, state):
     def pin(session, state, turn, pinned):
         return ui_chat.pin(tab, session, state, turn, pinned)
 
-    send_btn.click(send, inputs=[text, session, state], outputs=[text, *tab.streamed_outputs()], **limit,
+    send_btn.click(send, inputs=[text_box, session, state], outputs=[text_box, *tab.streamed_outputs()], **limit,
                    api_name="send")
-    edit_btn.click(edit, inputs=[session, state, turn, text], outputs=tab.streamed_outputs(), **limit, api_name="edit")
+    edit_btn.click(edit, inputs=[session, state, turn, text_box], outputs=tab.streamed_outputs(), **limit,
+                   api_name="edit")
 
     def regenerate(session, state):
         yield from ui_chat.run_stream(tab, session, state, lambda s: s.regenerate())

@@ -1,9 +1,11 @@
 """The live cache panel: legend, stats, the layer/head pickers, the token map next to the
 layers x positions retention map, two charts and the heavy-hitter table.
 
-`outputs(panel)` lists what every chat action refreshes; `view(session, state)` computes those
-values from the session and the tab's view state (the pickers mutate that state, so a pick made
-while a reply streams shows at its next refresh).
+`Panel.shown` lists what every chat action refreshes, `Panel.live` the part a streaming reply
+refreshes and `Panel.charts` the part drawn once it ends; `update(panel, session, state)` is the
+Gradio update of those parts, {component: value}, drawn (draw.py) from the session and the tab's
+view state (the pickers change that state, so a pick made while a reply streams shows at its
+next refresh).
 """
 
 from dataclasses import dataclass
@@ -12,12 +14,12 @@ import gradio as gr
 import pandas as pd
 
 from ..cache.config import CacheConfig
-from . import draw as render
+from . import draw
 from .state import pinned_turns, warn
 
 CHART_COLUMNS = ["tokens seen", "cache", "KV MiB", "slots per head"]
-COLOR_MAP = {render.SERIES[0]: "#0072B2", render.SERIES[1]: "#E69F00"}
-ORIGIN = [{"tokens seen": 0, "cache": name, "KV MiB": 0.0, "slots per head": 0} for name in render.SERIES]
+COLOR_MAP = {draw.SERIES[0]: "#0072B2", draw.SERIES[1]: "#E69F00"}
+ORIGIN = [{"tokens seen": 0, "cache": name, "KV MiB": 0.0, "slots per head": 0} for name in draw.SERIES]
 
 
 @dataclass
@@ -32,9 +34,27 @@ class Panel:
     slots: gr.LinePlot
     heavy: gr.Dataframe
 
+    @property
+    def shown(self):
+        """Everything a chat action refreshes, in the order the API routes answer with it."""
+        return [self.legend, self.token_map, self.retention_map, self.stats, self.memory, self.slots, self.heavy]
+
+    @property
+    def live(self):
+        """What a reply streaming into the page refreshes. On a small machine the browser shares the
+        cores with the decode, and redrawing two Vega charts at every refresh cost it more than the
+        tokens did, so the legend, the charts and the table (`charts`) are drawn once, when the reply
+        ends. They are left out of the stream rather than skipped in it: a chart skipped mid-stream
+        came back drawn from a diff against the skip (no lines, a categorical y axis)."""
+        return [self.token_map, self.retention_map, self.stats]
+
+    @property
+    def charts(self):
+        return [self.legend, self.memory, self.slots, self.heavy]
+
 
 def build(n_layers, n_heads, policy):
-    legend = gr.HTML(render.legend_html(policy), elem_id="legend")
+    legend = gr.HTML(draw.legend_html(policy), elem_id="legend")
     stats = gr.Markdown(elem_id="stats")
     with gr.Row():
         layer = gr.Dropdown(["all"] + [str(i) for i in range(n_layers)], value="all", label="Layer", elem_id="layer")
@@ -44,8 +64,8 @@ def build(n_layers, n_heads, policy):
     retention_map = gr.HTML(elem_id="retention-map")
     # the value starts with both series (at the origin): the legend's entries are made from the
     # first value's series, and an empty first value left the legend with its title alone
-    start = pd.DataFrame(render.memory_rows([]) or ORIGIN, columns=CHART_COLUMNS)
-    chart = dict(value=start, x="tokens seen", color="cache", color_map=COLOR_MAP, colors_in_legend=list(render.SERIES),
+    start = pd.DataFrame(draw.memory_rows([]) or ORIGIN, columns=CHART_COLUMNS)
+    chart = dict(value=start, x="tokens seen", color="cache", color_map=COLOR_MAP, colors_in_legend=list(draw.SERIES),
                  x_title="tokens seen", height=260, color_title="", x_label_angle=0, tooltip="all")
     # titles inside the plot, no block label: a label pushes the plot down and clips its legend
     memory = gr.LinePlot(y="KV MiB", y_title="KV memory (MiB)", title="KV memory", show_label=False,
@@ -54,23 +74,6 @@ def build(n_layers, n_heads, policy):
                         elem_id="slots-chart", **chart)
     heavy = gr.Dataframe(label="Top heavy hitters in the view", max_height=260, elem_id="heavy")
     return Panel(legend, stats, layer, head, token_map, retention_map, memory, slots, heavy)
-
-
-def outputs(p):
-    return [p.legend, p.token_map, p.retention_map, p.stats, p.memory, p.slots, p.heavy]
-
-
-# A reply streaming into the page refreshes only the live view (LIVE: the token map, the retention
-# map, the stats); the rest (CHARTS: the legend, the two charts, the table) is drawn once, whole,
-# when the reply ends. On a small machine the browser shares the cores with the decode, and
-# redrawing two Vega charts at every refresh cost it more than the tokens did. They are left out of
-# the stream rather than skipped in it: a chart skipped mid-stream came back drawn from a diff
-# against the skip (no lines, a categorical y axis).
-LIVE, CHARTS = (1, 2, 3), (0, 4, 5, 6)  # positions in outputs()
-
-
-def skip():
-    return [gr.skip()] * 7
 
 
 def parse_pick(value, count, what):
@@ -90,44 +93,47 @@ def _chart(rows, y):
     # no rows yet: both series at the origin, as in build(). An empty frame's columns have no
     # numbers in them, so the plot would take its axes as categories and keep them once points came
     frame = pd.DataFrame(rows or ORIGIN, columns=CHART_COLUMNS)
-    x_top = render.chart_limits(rows, "tokens seen")[1] if rows else 1
-    return gr.LinePlot(value=frame, x_lim=[0, x_top], y_lim=render.chart_limits(rows, y))
+    x_top = draw.chart_limits(rows, "tokens seen")[1] if rows else 1
+    return gr.LinePlot(value=frame, x_lim=[0, x_top], y_lim=draw.chart_limits(rows, y))
 
 
-def view(session, state, live=None, maps=True):
-    """The panel's 7 values for this tab's session and view state (maps: see panel.render)."""
+def update(p, session, state, live=None, maps=True):
+    """The panel's parts for this tab's session and view state, {component: value} (maps=False
+    leaves the token map and the retention map out: the costly parts, not needed for the charts)."""
     if session is None or not len(session.ledger):
         policy = session.cache_config.policy if session is not None else CacheConfig.policy
-        empty = _chart([], "KV MiB")
         waiting = "TTFT … · waiting for the first token" if live else "*Send a message to see what the cache keeps.*"
-        return (render.legend_html(policy), "", "", waiting, empty,
-                _chart([], "slots per head"), pd.DataFrame())
-    shown = render.render(session, state["layer"], state["head"], live=live, maps=maps)
+        maps_update = {p.token_map: "", p.retention_map: ""} if maps else {}
+        return {p.legend: draw.legend_html(policy), **maps_update, p.stats: waiting, p.memory: _chart([], "KV MiB"),
+                p.slots: _chart([], "slots per head"), p.heavy: pd.DataFrame()}
+    drawn = draw.panel(session, state["layer"], state["head"], live=live, maps=maps)
     pins = pinned_turns(session)
     if pins:  # the Chatbot cannot mark a user message, so the stats name the pinned ones
-        shown["stats"] += " · pinned (never evicted): " + ", ".join(f"message {i + 1}" for i in pins)
-    return (shown["legend"], shown["token_map"], shown["retention_map"], shown["stats"],
-            _chart(shown["memory"], "KV MiB"), _chart(shown["memory"], "slots per head"), pd.DataFrame(shown["heavy"]))
+        drawn["stats"] += " · pinned (never evicted): " + ", ".join(f"message {i + 1}" for i in pins)
+    maps_update = {p.token_map: drawn["token_map"], p.retention_map: drawn["retention_map"]} if maps else {}
+    return {p.legend: drawn["legend"], **maps_update, p.stats: drawn["stats"],
+            p.memory: _chart(drawn["memory"], "KV MiB"), p.slots: _chart(drawn["memory"], "slots per head"),
+            p.heavy: pd.DataFrame(drawn["heavy"])}
 
 
-def pick(session, state, layer, head, n_layers, n_heads):
+def pick(p, session, state, layer, head, n_layers, n_heads):
     """A picker changed: check both values, then show the new view. An odd value warns and the
-    view stays as it was."""
+    view stays as it was (an empty update)."""
     try:
         new_layer = parse_pick(layer, n_layers, "Layer")
         new_head = parse_pick(head, n_heads, "KV head")
     except ValueError as e:
         warn(e)
-        return skip()
+        return {}
     state.update(layer=new_layer, head=new_head if new_layer is not None else None)
-    return view(session, state)
+    return update(p, session, state)
 
 
 def wire(p, session, state, n_layers, n_heads, charts_after):
     """The pickers. charts_after: ui.Tab.charts_after (the charts need a second drawing)."""
     def select(session, state, layer, head):
-        return pick(session, state, layer, head, n_layers, n_heads)
+        return pick(p, session, state, layer, head, n_layers, n_heads)
 
     for picker in (p.layer, p.head):
-        charts_after(picker.change(select, inputs=[session, state, p.layer, p.head], outputs=outputs(p),
+        charts_after(picker.change(select, inputs=[session, state, p.layer, p.head], outputs=p.shown,
                                    api_name="select", queue=False))

@@ -1,33 +1,34 @@
 """Settings, saved conversations and export: the fields always show the settings the tab's
-conversation runs on (`values(session)` fills them on New chat, Restore, reload and after every
-Apply, refused or not), so Apply only ever changes what the user changed.
+conversation runs on (`values(settings, session)` fills them on New chat, Restore, reload and
+after every Apply, refused or not), so Apply only ever changes what the user changed.
+
+Each field is made from its setting's one declaration (cache.config.setting: label, help,
+choices); the bounds are checked once, by the dataclass, when Apply builds it.
 """
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import gradio as gr
 
+from ..cache.config import APP_FIELDS, CacheConfig
 from ..chat.conversation import Sampling
-from ..chat.session import ChatSession
 from .state import number, warn
+
+SAMPLING_FIELDS = ("temperature", "top_p", "max_new_tokens")  # the page's; the API takes every Sampling field
+# Sliders are the page's choice for these two: they keep a value in the range a person wants
+# (the dataclass allows temperatures up to 5; the page offers up to 2).
+SLIDERS = {"temperature": dict(minimum=0, maximum=2, step=0.05), "top_p": dict(minimum=0.05, maximum=1, step=0.05)}
 
 
 @dataclass
 class Settings:
     system_prompt: gr.Textbox
-    temperature: gr.Slider
-    top_p: gr.Slider
-    max_new: gr.Number
+    sampling: dict  # Sampling field name -> its component, in SAMPLING_FIELDS' order
+    cache: dict  # CacheConfig field name -> its component, in APP_FIELDS' order
     sampling_btn: gr.Button
-    policy: gr.Dropdown
-    budget: gr.Number
-    n_recent: gr.Number
-    n_sink: gr.Number
-    score: gr.Dropdown
-    positions: gr.Dropdown
     cache_btn: gr.Button
     saved: gr.Dropdown
     restore_btn: gr.Button
@@ -36,36 +37,37 @@ class Settings:
     export_json: gr.File
 
     def fields(self):
-        """Every field `values` fills, in its order."""
-        return [self.system_prompt, self.temperature, self.top_p, self.max_new, self.policy, self.budget,
-                self.n_recent, self.n_sink, self.score, self.positions]
+        """Every field `values` fills, in the order the conversation-level API routes answer with them."""
+        return [self.system_prompt, *self.sampling.values(), *self.cache.values()]
 
-    def cache_fields(self):
-        return [self.policy, self.budget, self.n_recent, self.n_sink, self.score, self.positions]
 
-    def sampling_fields(self):
-        return [self.system_prompt, self.temperature, self.top_p, self.max_new]
+def field_for(setting, value=None):
+    """The page's field for one settings dataclass field: a dropdown of its choices, a slider
+    (SLIDERS) or a number box, labelled and explained by its declaration."""
+    meta, elem_id = setting.metadata, setting.name.replace("_", "-")
+    common = dict(label=meta["label"], info=meta["help"], elem_id=elem_id)
+    if meta["choices"]:
+        return gr.Dropdown(list(meta["choices"]), value=value, **common)
+    if setting.name in SLIDERS:
+        return gr.Slider(value=value, **SLIDERS[setting.name], **common)
+    # no minimum/maximum here: Gradio's own check would answer an odd value before the dataclass's sentence
+    return gr.Number(value=value, precision=0 if meta["integer"] or setting.name in ("budget", "n_recent") else None,
+                     **common)
 
 
 def build():
-    # what the fields show until the page's load fills them from the tab's session: Sampling's defaults
-    defaults = Sampling()
+    # what the fields show until the page's load fills them from the tab's session: the declared defaults
+    sampling_settings = {f.name: f for f in fields(Sampling)}
+    cache_settings = {f.name: f for f in fields(CacheConfig)}
     with gr.Accordion("Generation", open=False):
         system_prompt = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
         with gr.Row():
-            temperature = gr.Slider(0, 2, value=defaults.temperature, step=0.05, label="Temperature (0 = greedy)",
-                                    elem_id="temperature")
-            top_p = gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p", elem_id="top-p")
-            max_new = gr.Number(value=defaults.max_new_tokens, precision=0, label="Max new tokens", elem_id="max-new")
+            sampling = {name: field_for(sampling_settings[name], sampling_settings[name].default)
+                        for name in SAMPLING_FIELDS}
         sampling_btn = gr.Button("Apply", elem_id="apply-sampling")
     with gr.Accordion("Cache (changing it replays the chat)", open=False):
         with gr.Row():
-            policy = gr.Dropdown(list(ChatSession.choices["policy"]), label="Policy", elem_id="policy")
-            budget = gr.Number(label="Budget (slots)", precision=0, elem_id="budget")
-            n_recent = gr.Number(precision=0, label="Recent window (0 = half)", elem_id="n-recent")
-            n_sink = gr.Number(label="Sinks", precision=0, elem_id="n-sink")
-            score = gr.Dropdown(list(ChatSession.choices["score"]), label="Score", elem_id="score")
-            positions = gr.Dropdown(list(ChatSession.choices["positions"]), label="Positions", elem_id="positions")
+            cache = {name: field_for(cache_settings[name]) for name in APP_FIELDS}
         cache_btn = gr.Button("Apply and replay", elem_id="apply-cache")
     with gr.Accordion("Saved conversations and export", open=False):
         with gr.Row():
@@ -76,28 +78,40 @@ def build():
             export_btn = gr.Button("Export")
             export_md = gr.File(label="Markdown")
             export_json = gr.File(label="JSON")
-    return Settings(system_prompt, temperature, top_p, max_new, sampling_btn, policy, budget, n_recent, n_sink,
-                    score, positions, cache_btn, saved, restore_btn, export_btn, export_md, export_json)
+    return Settings(system_prompt, sampling, cache, sampling_btn, cache_btn, saved, restore_btn, export_btn,
+                    export_md, export_json)
 
 
-def values(session):
-    """The fields' values, read from the session (the one owner of its settings)."""
-    c, s = session.cache_config, session.sampling
-    return [session.system_prompt or "", s.temperature, s.top_p, s.max_new_tokens, c.policy, c.budget,
-            c.n_recent or 0, c.n_sink, c.score, c.positions]
+def values(s, session):
+    """The fields' update, {component: value}, read from the session (the one owner of its settings).
+    A recent window of None (half of what the sinks leave) shows as 0."""
+    shown = {s.system_prompt: session.system_prompt or ""}
+    shown |= {field: getattr(session.sampling, name) for name, field in s.sampling.items()}
+    shown |= {field: getattr(session.cache_config, name) for name, field in s.cache.items()}
+    shown[s.cache["n_recent"]] = session.cache_config.n_recent or 0
+    return shown
 
 
-def cache_settings(policy, budget, n_recent, n_sink, score, positions):
-    """The cache fields as CacheConfig fields; an empty or odd number raises ValueError."""
-    return dict(policy=policy, budget=number("Budget", budget), n_recent=number("Recent window", n_recent) or None,
-                n_sink=number("Sinks", n_sink), score=score, positions=positions)
+def short_label(cls, name):
+    """A field's label without its note ("Budget (slots)" -> "Budget"), for a sentence about it."""
+    return next(f for f in fields(cls) if f.name == name).metadata["label"].split(" (")[0]
 
 
-def sampling_settings(session, system_prompt, temperature, top_p, max_new):
-    """The generation fields as `configure` arguments: the system prompt only when it changed
-    (a change replays the chat)."""
-    changes = dict(temperature=number("Temperature", temperature, float), top_p=number("Top-p", top_p, float),
-                   max_new_tokens=number("Max new tokens", max_new))
+def cache_settings(typed):
+    """The Cache fields' values by name -> CacheConfig fields; an empty or odd number raises
+    ValueError (the dataclass checks the rest). A recent window of 0 means the default (half)."""
+    settings = dict(typed)
+    for name in ("budget", "n_recent", "n_sink"):
+        settings[name] = number(short_label(CacheConfig, name), typed[name])
+    settings["n_recent"] = settings["n_recent"] or None
+    return settings
+
+
+def sampling_settings(session, system_prompt, typed):
+    """The Generation fields' values by name -> `configure` arguments: the system prompt only when
+    it changed (a change replays the chat)."""
+    changes = {name: number(short_label(Sampling, name), value, int if name == "max_new_tokens" else float)
+               for name, value in typed.items()}
     if (system_prompt or None) != session.system_prompt:
         changes["system_prompt"] = system_prompt
     return changes
