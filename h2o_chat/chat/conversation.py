@@ -1,7 +1,7 @@
 """Conversation: plain data, and the one thing that is saved.
 
     Conversation(id, title, created, updated, revision, messages, settings, forked_from)
-      messages: [Message(role "user" | "assistant", content, pinned)]
+      messages: [Message(role "user" | "assistant" | "system", content, pinned)]
       settings: Settings(cache: CacheConfig, sampling: Sampling, system_prompt: str | None)
 
 Every setting is declared once, here (Sampling) or in cache.config.CacheConfig, with its default,
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..cache.config import CacheConfig, check_fields, check_number, setting
 
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")  # a system message after the first turn: a frontend's note
 CHOICES = {f.name: f.metadata["choices"] for f in fields(CacheConfig) if f.metadata.get("choices")}
 TITLE_WORDS = 8
 
