@@ -9,8 +9,9 @@ tokens, streamed). One app serves every arm: each seed's story runs once with th
 (the same user turns, the seed of turn t is seed * 1000 + t; each arm resends its own replies).
 
 Per turn and arm: prompt tokens, cached tokens (what the server did not recompute: from turn 2 on,
-a server that reuses the previous reply has nearly all of the prompt cached), TTFT, the reply's
-tokens, and whether it is degenerate (`degenerate`). `--app-dir` runs the app from another checkout
+a server that reuses the previous reply has nearly all of the prompt cached), whether the previous
+reply was reused (the turn computed no more than what the client added after it: the reply's
+end-of-turn and the new message), TTFT, the reply's tokens, and whether it is degenerate. `--app-dir` runs the app from another checkout
 (a worktree of an older commit), to measure before and after a change with the same client.
 """
 
@@ -78,6 +79,7 @@ TURNS = [
 # SillyTavern's default Chat Completion samplers (its default preset), and its default reply length
 ST_SAMPLERS = {"temperature": 1, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
 ST_MAX_TOKENS = 300
+REUSE_SLACK = 2  # tokens a reused reply may still cost (a stop-string cut inside a token is re-tokenized)
 
 HYPHEN_RUN = re.compile(r"(?:\b[A-Za-z]{1,5}-){4,}[A-Za-z]{1,5}\b")  # "Ere-ry-Mer-Euse-A-Ar": the failure seen
 
@@ -122,26 +124,33 @@ def run_story(client, model, seed, policy, turns, max_tokens, samplers=ST_SAMPLE
         text = "".join(pieces)
         replies.append(text)
         prompt, cached = usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+        before = rows[-1] if rows else None
+        added = prompt - before["prompt_tokens"] - before["completion_tokens"] if before else prompt
         rows.append({"seed": seed, "policy": policy, "turn": turn + 1, "prompt_tokens": prompt, "cached_tokens": cached,
-                     "cached_share": round(cached / prompt, 4), "completion_tokens": usage.completion_tokens,
+                     "cached_share": round(cached / prompt, 4), "recomputed": prompt - cached,
+                     "reply_reused": before is not None and prompt - cached <= added + REUSE_SLACK,
+                     "completion_tokens": usage.completion_tokens,
                      "ttft_s": round((first or time.perf_counter()) - start, 3),
                      "degenerate": degenerate(text, usage.completion_tokens), "text": text})
         r = rows[-1]
-        print(f"seed {seed} {policy} turn {r['turn']}: cached {cached}/{prompt} ttft {r['ttft_s']} s "
+        print(f"seed {seed} {policy} turn {r['turn']}: cached {cached}/{prompt} "
+              f"{'reused' if r['reply_reused'] else 'RECOMPUTED the previous reply'} ttft {r['ttft_s']} s "
               f"{r['completion_tokens']} tokens{' DEGENERATE' if r['degenerate'] else ''}: {text[:70]!r}", flush=True)
     return rows
 
 
 def summary(rows, policies, seeds):
-    """Per arm: the share of turns from turn 2 with >= 95% of the prompt cached, the median and
-    worst cached share from turn 2, median TTFT of the first and last five turns, degenerate replies."""
+    """Per arm, from turn 2: turns that reused the previous reply, turns with >= 95% of the prompt
+    cached, the median and worst cached share; median TTFT of the first and last five turns;
+    degenerate replies."""
     out = []
     for policy in policies:
         arm = [r for r in rows if r["policy"] == policy and r["seed"] in seeds]
         later = [r for r in arm if r["turn"] >= 2]
         n = max((r["turn"] for r in arm), default=0)
         out.append({"policy": policy, "turns": len(arm),
-                    "reused_turns": f"{sum(r['cached_share'] >= 0.95 for r in later)}/{len(later)}",
+                    "reply_reused": f"{sum(r['reply_reused'] for r in later)}/{len(later)}",
+                    "cached_95": f"{sum(r['cached_share'] >= 0.95 for r in later)}/{len(later)}",
                     "median_cached": round(statistics.median(r["cached_share"] for r in later), 3) if later else "",
                     "worst_cached": round(min(r["cached_share"] for r in later), 3) if later else "",
                     "ttft_first5_s": round(statistics.median(r["ttft_s"] for r in arm if r["turn"] <= 5), 3),
@@ -184,11 +193,12 @@ def run(args):
         row = {"turn": turn}
         for policy in args.policies:
             at = [r for r in rows if r["policy"] == policy and r["turn"] == turn]
-            row[f"{policy} cached"] = " ".join(f"{r['cached_share']:.2f}" for r in at)
+            row[f"{policy} cached"] = " ".join(f"{r['cached_share']:.2f}" + ("" if r["reply_reused"] or r["turn"] == 1
+                                                                               else "*") for r in at)
             row[f"{policy} ttft_s"] = round(statistics.median(r["ttft_s"] for r in at), 3)
             row[f"{policy} degenerate"] = sum(r["degenerate"] for r in at)
         per_turn.append(row)
     write_results(out, "story", summary(rows, args.policies, args.seeds),
-                  ["policy", "turns", "reused_turns", "median_cached", "worst_cached", "ttft_first5_s", "ttft_last5_s",
-                   "degenerate"], meta)
+                  ["policy", "turns", "reply_reused", "cached_95", "median_cached", "worst_cached", "ttft_first5_s",
+                   "ttft_last5_s", "degenerate"], meta)
     write_results(out, "story_per_turn", per_turn, list(per_turn[0]), meta)
