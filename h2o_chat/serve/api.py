@@ -373,8 +373,11 @@ def answer(session, job, emit, stop_ids=()):
         t.start()
     try:
         reply(session, job, emit, 0, started, stop_ids)
+    except BaseException:
+        job.cancel()  # the answer is the error: the other choices stop too
+        raise
     finally:
-        started.set()  # choice 0 failed before its start: the others go on (the answer is the error)
+        started.set()
         for t in threads:
             t.join()
 
