@@ -185,3 +185,18 @@ def test_a_data_folder_that_cannot_be_written_never_fails_a_reply(tmp_path, capl
     assert len(lines) == 1 and str(tmp_path) not in lines[0].getMessage()  # one line, no path
     assert session.take_notices() == ["This chat is not being saved: the data folder cannot be written "
                                       "(Not a directory)."]
+
+
+def test_a_restored_conversations_replay_stops_when_asked_and_the_next_turn_feeds_the_rest(tmp_path):
+    model, tok = make_tiny_chat()
+    session = ChatSession(model, tok, cache=CACHE, temperature=0, max_new_tokens=4, data_dir=tmp_path)
+    for i in range(3):
+        "".join(session.send(f"Message {i}: " + "words " * 60))
+    chunks = []
+    restored = ChatSession.open(model, tok, session.id, tmp_path, on_progress=lambda done, total: chunks.append(done),
+                                should_stop=lambda: len(chunks) >= 2)
+    assert len(chunks) == 2 and len(restored.ledger) == chunks[-1] < len(session.ledger)  # two chunks, then stopped
+    assert restored.history == session.history
+    "".join(restored.send("Go on."))  # the next turn feeds the rest: the cache holds the whole rendering
+    prompt = tok.apply_chat_template(restored.history[:-1], add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert restored.ledger.vocab_ids[: len(prompt)] == prompt

@@ -9,8 +9,8 @@ not seen, with the pinned ranges protected before their tokens are fed.
     ChatSession(model, tokenizer, cache=None, system_prompt=None, data_dir=None, session_id=None,
                 batcher=None, **sampling)                a new conversation (Sampling fields); a shared
                                                          batch.Batcher decodes it in one batch with others
-    ChatSession.from_conversation(model, tokenizer, conversation, data_dir=None, on_progress=None)
-    ChatSession.open(model, tokenizer, conversation_id, data_dir, on_progress=None)   (= restore)
+    ChatSession.from_conversation(model, tokenizer, conversation, data_dir=None, on_progress=None, should_stop=None)
+    ChatSession.open(model, tokenizer, conversation_id, data_dir, on_progress=None, should_stop=None)  (= restore)
 
     .conversation .id .messages .history .settings .cache_config .sampling .system_prompt
     .cache .ledger .stats .turn_stats .last_turn .busy .notices
@@ -131,6 +131,9 @@ class ChatSession:
         Called while a conversation is replayed into the cache, with tokens fed and to feed.
     batcher : batch.Batcher or None, default None
         Shared with other sessions: their decode steps run as one batched forward.
+    should_stop : callable() -> bool, or None, default None
+        Asked before each chunk of the replay of `conversation`: True ends it there (a Stop
+        pressed while a restored conversation is read back); the next turn feeds the rest.
     **sampling_fields
         `Sampling` fields (temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
         stop); what is not given is Sampling's default.
@@ -151,7 +154,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, cache: CacheConfig | dict | None = None, system_prompt: str | None = None,
                  data_dir: str | os.PathLike | None = None, session_id: str | None = None,
                  conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 batcher=None, **sampling_fields):
+                 batcher=None, should_stop: Callable[[], bool] | None = None, **sampling_fields):
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
             conversation = Conversation(settings=settings)
@@ -180,19 +183,19 @@ class ChatSession:
         self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
         self.timeline = self._new_timeline(self.cache_config)
         if conversation.messages:
-            self._sync()
+            self._sync(should_stop=should_stop)  # stopped early: the next turn feeds the rest
 
     @classmethod
     def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
-                          batcher=None) -> ChatSession:
+                          batcher=None, should_stop=None) -> ChatSession:
         """The runtime of `conversation`: it is replayed into a fresh cache (pinned messages
         protected before their tokens are fed), calling `on_progress(done, total)` as it goes."""
         return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress,
-                   batcher=batcher)
+                   batcher=batcher, should_stop=should_stop)
 
     @classmethod
     def open(cls, model, tokenizer, conversation_id: str, data_dir: str | os.PathLike, on_progress=None,
-             batcher=None) -> ChatSession:
+             batcher=None, should_stop=None) -> ChatSession:
         """A saved conversation, replayed into a fresh cache.
 
         Parameters
@@ -212,7 +215,7 @@ class ChatSession:
             (a ValueError) when the file is missing, corrupt or holds invalid settings.
         """
         return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress,
-                                     batcher)
+                                     batcher, should_stop)
 
     restore = open
 
