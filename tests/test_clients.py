@@ -271,3 +271,36 @@ def test_a_data_folder_that_cannot_be_written_still_answers(tmp_path):
             "model": "h2o-chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
         assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
         assert response.headers["x-h2o-not-saved"] == "Not a directory"  # why, without the path
+
+
+def test_a_story_resent_every_turn_gets_what_one_session_gets_token_for_token(tmp_path):
+    """The client resends the story as text each turn; its replies are drawn as tokens BPE would
+    merge ("t" "h" "e": a bias makes the model write them often). Every turn reuses the previous
+    reply, and the story is, token for token, the one a single ChatSession writes (the page's
+    path): /v1 adds nothing of its own to what the model sees."""
+    from h2o_chat import ChatSession
+    from tests.test_reuse import make_tiny_bpe_chat
+
+    model, tok = make_tiny_bpe_chat()
+    bias = {str(tok.convert_tokens_to_ids(c)): 4.0 for c in "the "}
+    sampling = dict(temperature=1.0, top_p=1.0, max_new_tokens=24)
+    turns = [f"Turn {i}: tell me more." for i in range(6)]
+    with api_server(tmp_path, model, tok, concurrency=1) as (url, router):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=DEADLINE_S, max_retries=0)
+        messages, served, previous = [{"role": "system", "content": "A story."}], [], None
+        for i, text in enumerate(turns):
+            messages.append({"role": "user", "content": text})
+            reply = client.chat.completions.create(model="h2o-chat", messages=messages, max_tokens=24, temperature=1.0,
+                                                   top_p=1.0, seed=100 + i, logit_bias=bias,
+                                                   extra_body={"h2o": dict(CACHE)})
+            if previous is not None:
+                assert reply.usage.prompt_tokens_details.cached_tokens == \
+                    previous.usage.prompt_tokens + previous.usage.completion_tokens
+            served.append(reply.choices[0].message.content)
+            messages.append({"role": "assistant", "content": served[-1]})
+            previous = reply
+    alone = ChatSession(model, tok, cache=dict(CACHE), system_prompt="A story.", **sampling)
+    for i, text in enumerate(turns):
+        alone.configure(seed=100 + i, logit_bias=bias)
+        assert "".join(alone.send(text)) == served[i]
+    assert any("the" in r for r in served)  # replies BPE re-tokenizes differently were there to reuse
