@@ -133,8 +133,8 @@ def run_story(client, model, seed, policy, turns, max_tokens, samplers=ST_SAMPLE
                      "ttft_s": round((first or time.perf_counter()) - start, 3),
                      "degenerate": degenerate(text, usage.completion_tokens), "text": text})
         r = rows[-1]
-        print(f"seed {seed} {policy} turn {r['turn']}: cached {cached}/{prompt} "
-              f"{'reused' if r['reply_reused'] else 'RECOMPUTED the previous reply'} ttft {r['ttft_s']} s "
+        reuse = "" if turn == 0 else "reused " if r["reply_reused"] else "RECOMPUTED the previous reply "
+        print(f"seed {seed} {policy} turn {r['turn']}: cached {cached}/{prompt} {reuse}ttft {r['ttft_s']} s "
               f"{r['completion_tokens']} tokens{' DEGENERATE' if r['degenerate'] else ''}: {text[:70]!r}", flush=True)
     return rows
 
