@@ -80,8 +80,28 @@ def test_a_reply_the_client_trimmed_reuses_the_tokens_it_still_holds():
     known.remember("the other hen  ", ids)
     assert known.ids("the other hen  ") == ids
     assert known.ids("the other hen") == ids[:13]  # SillyTavern trims the end
-    assert known.ids("the other hens") == ids[:13] + tok("s", add_special_tokens=False).input_ids
+    assert known.ids("the other hen  and more") == ids + tok("and more", add_special_tokens=False).input_ids
+    assert known.ids("the other hens") is None  # an edit inside it: tokenized as a new text
+    assert known.ids("the others") is None  # only its first characters: never matched (that could change)
     assert known.ids("something else") is None
+
+
+def test_every_reply_of_a_long_chat_keeps_rendering_as_it_was_fed():
+    """Forty turns, each reply drawn as tokens BPE would merge: every turn, however far the first
+    replies lie behind, computes only its new message."""
+    model, tok = make_tiny_bpe_chat()
+    session = ChatSession(model, tok, cache=CACHE, temperature=0, max_new_tokens=40)
+    history = []
+    for turn in range(40):
+        reply = f"the {turn} then"
+        scripted(session, pieces(tok, reply))
+        history.append({"role": "user", "content": f"Turn {turn}"})
+        session.messages = history[:-1]  # the client resends everything, as text
+        fed = len(session.ledger)
+        assert "".join(session.send(history[-1]["content"])) == reply
+        stats = session.last_turn
+        assert stats.prompt_computed == stats.prompt_tokens - fed  # nothing fed before was fed again
+        history.append({"role": "assistant", "content": reply})
 
 
 def test_a_stop_string_cut_takes_back_what_the_cache_was_fed_past_it():

@@ -43,7 +43,7 @@ from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
 from .sampler import Sampler, stop_token_ids, unpack_logprobs
-from .template import KnownTokens, render, turn_ranges
+from .template import MAX_REPLIES, KnownTokens, render, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
 
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
@@ -177,7 +177,8 @@ class ChatSession:
         self._busy = False  # a reply is being prepared or streamed
         self._free_when_idle = False  # close() came while busy: free the cache when the reply ends
         self._stop_ids = stop_token_ids(model, tokenizer)
-        self._known = KnownTokens(tokenizer, template=self._template_text)  # replies as they were generated
+        # the replies as they were generated (a text completion's prompt: the last few texts fed)
+        self._known = KnownTokens(tokenizer, template=self._template_text, keep=8 if self._template_text else MAX_REPLIES)
         self._segments_fed = []  # the last sync's segments (a continued reply's tokens so far)
         self._detok = None  # the reply's Detokenizer (how much of it is shown)
         self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
@@ -536,7 +537,7 @@ class ChatSession:
                           batcher=self.batcher, **asdict(self.sampling))
         twin.messages = [Message(m.role, m.content, m.pinned) for m in self.messages]
         twin.timeline = self.timeline.copy()
-        twin._known.replies = list(self._known.replies)
+        twin._known.replies = dict(self._known.replies)
         return twin
 
     def reset(self):

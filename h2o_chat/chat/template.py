@@ -149,33 +149,53 @@ def turn_ranges(segments, turns):
     return [ranges[t] for t in sorted(ranges)]
 
 
-class KnownTokens:
-    """The token ids recent replies were generated (and fed) as, by their text: `ids(text)` gives
-    them back for a text that starts like one of them (the client may have trimmed it, or it was
-    cut at a stop string), the rest of the text tokenized after them. template: the texts hold
-    the template's special tokens as written (a text completion's prompt)."""
+MAX_REPLIES = 1024  # replies a session remembers the tokens of (its whole conversation, in practice)
 
-    def __init__(self, tokenizer, keep=8, template=False):
-        self.tokenizer, self.keep, self.template = tokenizer, keep, template
-        self.replies = []  # [(text, ids)], newest last
+
+class KnownTokens:
+    """The token ids replies were generated (and fed) as, by their text: `ids(text)` gives them
+    back for that text, for a start of it (the client trimmed its end) or for a text that goes on
+    after it (a continued reply), the rest tokenized after them. Every reply the conversation
+    still shows must keep rendering as it was fed, however old, or the cache would diverge there
+    and replay everything after it: so all of them are kept (up to MAX_REPLIES), and a text that
+    only shares a few first characters with a reply (a greeting that starts like one) is not
+    matched to it, which could change as replies are added.
+
+    template: the texts hold the template's special tokens as written (a text completion's
+    prompt, one growing text: there the longest shared start is always the one to use)."""
+
+    def __init__(self, tokenizer, template=False, keep=MAX_REPLIES):
+        self.tokenizer, self.template, self.keep = tokenizer, template, keep
+        self.replies = {}  # text -> (ids, length of the text the ids decode to), oldest first
 
     def remember(self, text, ids):
         """ids: tokens whose text is a prefix of `text` (the rest of it is tokenized when asked)."""
         covered = self._decode(ids)
         if text and ids and text.startswith(covered):
-            self.replies = [r for r in self.replies if r[0] != text][-(self.keep - 1) :] + [(text, list(ids),
-                                                                                               len(covered))]
+            self.replies.pop(text, None)
+            self.replies[text] = (list(ids), len(covered))
+            while len(self.replies) > self.keep:
+                self.replies.pop(next(iter(self.replies)))
 
     def ids(self, text):
         """`text` as tokens, starting with the most of a remembered reply's ids that it repeats;
-        None when it starts like none of them."""
-        same, best = max(((len(os.path.commonprefix([r[0], text])), r) for r in self.replies),
-                         key=lambda found: found[0], default=(0, None))
-        if same == 0:
+        None when it repeats none of them."""
+        if not text:
             return None
-        _, ids, done = best
-        if same < done:  # the text stops inside what the tokens cover: the most of them that it holds
-            ids, done = self._longest_prefix(ids, text[:same])
+        if text in self.replies:
+            ids, done = self.replies[text]
+        else:
+            best = None
+            for known, (ids, done) in self.replies.items():
+                same = len(os.path.commonprefix([known, text]))
+                usable = same >= done or same == len(text) or (self.template and same > 0)
+                if usable and (best is None or same > best[0]):
+                    best = (same, ids, done)
+            if best is None:
+                return None
+            same, ids, done = best
+            if same < done:  # the text stops inside what the tokens cover: the most of them that it holds
+                ids, done = self._longest_prefix(ids, text[:same])
         return ids + tokenize(self.tokenizer, text[done:], template=self.template) if ids else None
 
     def _longest_prefix(self, ids, text):
