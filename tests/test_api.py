@@ -93,7 +93,12 @@ def cached(reply):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["h2o-chat"]
-    assert httpx.get(server["url"] + "/health").json() == {"status": "ok", "model": "h2o-chat"}
+    assert client.models.retrieve("h2o-chat").id == "h2o-chat"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    key = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server["url"] + "/health", headers=key).json() == {"status": "ok", "model": "h2o-chat"}
+    assert httpx.get(server["url"] + "/health").status_code == 401  # with a key, nothing answers without it
     assert httpx.get(server["url"] + "/config").status_code == 200  # the UI is still there, on the same port
 
 
@@ -130,10 +135,12 @@ def test_content_as_text_parts_is_the_same_as_text(client):
     assert chat(client, text).choices[0].message.content == chat(client, parts).choices[0].message.content
 
 
-def test_unknown_fields_are_ignored(client):
+def test_unknown_fields_are_ignored_and_unsupported_ones_refused_unless_default(client):
     reply = chat(client, [{"role": "user", "content": "hello"}],
-                 extra_body={"mirostat": 2, "typical_p": 1, "user_name": "x"}, user="someone")
+                 extra_body={"mirostat": 0, "typical_p": 1, "user_name": "x", "no_such_field": [1]}, user="someone")
     assert reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="mirostat is not supported"):
+        chat(client, [{"role": "user", "content": "hello"}], extra_body={"mirostat": 2})
 
 
 # ---------------------------------------------------------------------------------------------

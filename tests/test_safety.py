@@ -96,12 +96,41 @@ def test_the_app_listens_on_localhost_only_with_no_share_link(launched, tmp_path
 
 
 @pytest.mark.parametrize("argv, expected", [
-    pytest.param(["--host", "0.0.0.0"], dict(server_name="0.0.0.0", share=False), id="host"),
-    pytest.param(["--share"], dict(server_name="127.0.0.1", share=True), id="share"),
+    pytest.param(["--host", "0.0.0.0", "--api-key", "k"], dict(server_name="0.0.0.0", share=False), id="host"),
+    pytest.param(["--share", "--auth", "a:b"], dict(server_name="127.0.0.1", share=True), id="share"),
 ])
 def test_only_the_flags_widen_it(launched, tmp_path, argv, expected):
     kwargs = launched(argv + ["--data-dir", str(tmp_path)])["launch"]
     assert {k: kwargs[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("argv", [["--host", "0.0.0.0"], ["--host", "192.168.1.5"], ["--share"]],
+                         ids=["any-address", "lan", "share"])
+def test_a_reachable_server_without_any_credential_is_refused_in_one_line(launched, tmp_path, argv):
+    with pytest.raises(SystemExit) as refused:
+        launched(argv + ["--data-dir", str(tmp_path)])
+    message = str(refused.value.code)
+    assert message.startswith("h2o-chat: ") and "\n" not in message and "--api-key" in message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_this_machine_needs_no_credential(launched, tmp_path, host):
+    assert launched(["--host", host, "--data-dir", str(tmp_path)])["launch"]["auth"] is None
+
+
+def test_the_api_key_alone_is_the_pages_password(launched, tmp_path):
+    login = launched(["--api-key", "k3y", "--data-dir", str(tmp_path)])["launch"]["auth"]
+    assert callable(login) and login("anyone", "k3y") and not login("anyone", "wrong") and not login("k3y", "")
+    assert launched(["--api-key", "k3y", "--auth", "a:b", "--data-dir", str(tmp_path)])["launch"]["auth"] == ("a", "b")
+
+
+def test_a_data_folder_that_cannot_be_written_is_refused_in_one_line(launched, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit) as refused:
+        launched(["--data-dir", str(blocker / "data")])
+    message = str(refused.value.code)
+    assert message.startswith("h2o-chat: --data-dir") and "cannot be written" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("argv, trusted", [
@@ -192,6 +221,65 @@ def test_auth_lets_the_login_in(guarded):
     client = Client(guarded + "/", auth=("alice", "s3cret"), verbose=False)
     assert texts(call(client, "hi", api_name="/send")[2])[0] == ("user", "hi")
     assert "secret-session" in str(call(client, api_name="/saved_sessions"))
+
+
+# ---------------------------------------------------------------------------------------------
+# --api-key alone: nothing answers without the key
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """app.py --api-key KEY (no --auth), in this process, with a saved session holding a secret."""
+    data = tmp_path_factory.mktemp("keyed-data")
+    store.save(data, "secret-session", {"messages": [{"role": "user", "content": SECRET}]})
+    calls = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_mod, "load_model", lambda spec, **kwargs: make_tiny_chat())
+        original_launch = gr.Blocks.launch
+
+        def launch(demo, **kwargs):
+            calls["demo"] = demo
+            original_launch(demo, **kwargs, prevent_thread_lock=True, quiet=True)
+
+        mp.setattr(gr.Blocks, "launch", launch)
+        port = free_port()
+        app_main.main(["--api-key", API_KEY, "--port", str(port), "--data-dir", str(data)])
+    yield f"http://127.0.0.1:{port}"
+    calls["demo"].close()
+
+
+API_KEY = "the-only-key"
+API_ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/chat/completions"),
+              ("POST", "/v1/completions"), ("POST", "/completion"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("GET", "/props"), ("GET", "/v1/anything")]
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_the_api_key_alone_guards_the_page_and_every_route(keyed):
+    body = {"data": ["hi", "all", "all"], "fn_index": 0, "session_hash": "x"}
+    for method, path in [("GET", "/config"), ("GET", "/gradio_api/info"), ("POST", "/gradio_api/queue/join"),
+                         ("POST", "/gradio_api/call/send"), ("POST", "/gradio_api/run/send"),
+                         ("GET", "/gradio_api/file=/etc/passwd")]:
+        response = httpx.request(method, keyed + path, json=body if method == "POST" else None)
+        assert response.status_code == 401, path
+        assert SECRET not in response.text and "secret-session" not in response.text
+    assert '"auth_required":true' in httpx.get(keyed + "/").text.replace(" ", "")
+    for method, path in API_ROUTES:
+        response = httpx.request(method, keyed + path, json={} if method == "POST" else None)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key", path
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_the_api_key_opens_the_page_and_the_api(keyed):
+    with pytest.raises(Exception, match="Could not login"):
+        Client(keyed + "/", auth=("anyone", "wrong"), verbose=False)
+    client = Client(keyed + "/", auth=("anyone", API_KEY), verbose=False)
+    assert "secret-session" in str(call(client, api_name="/saved_sessions"))
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(keyed + "/health", headers=key).json()["status"] == "ok"
+    assert httpx.post(keyed + "/tokenize", json={"content": "hi"}, headers=key).json() == {"tokens": [73, 74]}
 
 
 # ---------------------------------------------------------------------------------------------

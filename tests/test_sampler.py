@@ -89,3 +89,78 @@ def test_repetition_penalty_steers_greedy_away_from_seen_tokens(penalty):
     plain = make(temperature=0)
     plain.begin([3], VOCAB)
     assert int(plain.sample(logits)) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# What frontends send: each knob changes the distribution as its formula says
+
+
+def test_frequency_and_presence_penalties_follow_openais_formula():
+    """logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty, counting the
+    tokens this reply has drawn."""
+    sampler = make(temperature=0, frequency_penalty=0.5, presence_penalty=0.25)
+    sampler.begin([1, 2, 3], VOCAB)  # the prompt's tokens do not count
+    logits = torch.zeros(VOCAB)
+    logits[9], logits[8] = 3.0, 2.0
+    drawn = [int(sampler.sample(logits)) for _ in range(3)]
+    counts = torch.bincount(torch.tensor(drawn), minlength=VOCAB).float()
+    expected = logits - counts * 0.5 - (counts > 0) * 0.25
+    assert torch.equal(sampler.adjusted(logits[None])[0], expected)
+    assert drawn == [9, 9, 8]  # 3.0 -> 2.25 -> 1.75 < 2.0
+
+
+def test_logit_bias_is_added_and_minus_100_bans_the_token():
+    logits = random_logits(1, seed=4)[0]
+    best = int(logits.argmax())
+    sampler = make(temperature=1.0, top_p=1.0, logit_bias={best: -100, "3": 2.5})
+    adjusted = sampler.adjusted(logits[None])[0]
+    assert adjusted[3] == logits[3] + 2.5 and adjusted[best] == -float("inf")
+    assert all(int(make(temperature=2.0, top_p=1.0, seed=s, logit_bias={best: -100}).sample(logits)) != best
+               for s in range(300))
+    assert int(make(temperature=0, logit_bias=[[best, -100]]).sample(logits)) == int(logits.topk(2).indices[1])
+
+
+def test_top_p_0_is_greedy():
+    for logits in random_logits(50, seed=5):
+        assert int(make(temperature=1.0, top_p=0, seed=1).sample(logits)) == int(make(temperature=0).sample(logits))
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    logits = torch.linspace(-2, 2, VOCAB)
+    probs = torch.softmax(logits, 0)
+    allowed = set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())
+    drawn = {int(make(temperature=1.0, top_p=1.0, min_p=0.2, seed=s).sample(logits)) for s in range(400)}
+    assert drawn == allowed
+
+
+def test_typical_p_keeps_the_tokens_closest_to_the_expected_surprise():
+    logits = random_logits(1, seed=6)[0]
+    probs = torch.softmax(logits.double(), 0)
+    entropy = -(probs * probs.log()).sum()
+    order = (-probs.log() - entropy).abs().argsort()
+    kept = order[: int((probs[order].cumsum(0) < 0.6).sum()) + 1]
+    drawn = {int(make(temperature=1.0, top_p=1.0, typical_p=0.6, seed=s).sample(logits)) for s in range(400)}
+    assert drawn == set(kept.tolist())
+
+
+def test_logprobs_are_the_log_softmax_and_sum_to_one():
+    sampler = Sampler(Sampling(temperature=1.0, top_p=0.9, seed=0, logit_bias={"2": 1.0}), STOP, "cpu",
+                      top_logprobs=5)
+    logits = random_logits(1, seed=7)[0]
+    token = int(sampler.sample(logits))
+    full = torch.log_softmax(sampler.adjusted(logits[None])[0].double(), 0)
+    assert abs(full.exp().sum().item() - 1) < 1e-9
+    row = sampler.logprobs[0].tolist()
+    assert int(row[0]) == token and abs(row[1] - full[token].item()) < 1e-6
+    top = full.topk(5)
+    assert [int(i) for i in row[2:7]] == top.indices.tolist()
+    assert torch.allclose(torch.tensor(row[7:12], dtype=torch.float64), top.values, atol=1e-6)
+
+
+def test_rows_are_independent_draws_and_reproducible():
+    logits = random_logits(1, seed=8)[0].expand(3, VOCAB)
+    a = make(temperature=1.0, top_p=1.0, seed=9).sample(logits)
+    b = make(temperature=1.0, top_p=1.0, seed=9).sample(logits)
+    assert a.shape == (3,) and torch.equal(a, b)
+    greedy = make(temperature=0).sample(logits)
+    assert greedy.tolist() == [int(logits[0].argmax())] * 3

@@ -17,6 +17,8 @@
     soak     one session over many turns: memory, speed, reply quality
     concurrent  1, 2, 4, 8 chats at once through the API (decoded in one batch) against the
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
+    story    a 36-turn role-play story through /v1 as SillyTavern sends it (default samplers),
+             the app's cache against the full one: prompt reuse per turn, TTFT, degenerate replies
 
 Each subcommand is the module of that name (prefill-speed: prefill_speed.py). Every figure comes
 from running the model here; results go to --out as JSON and Markdown.
@@ -30,7 +32,7 @@ from dataclasses import fields
 
 from ..cache.config import CacheConfig
 from ..serve.cli import add_setting_flag
-from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak
+from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak, story
 from .common import MT_BENCH, SHAKESPEARE
 from .peers import kvpress, llamacpp
 
@@ -194,6 +196,24 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="runs of both arms per size (medians reported)")
     add_quick(p, sizes=[1, 2], turns=1, max_tokens=8, repeats=1)
     p.set_defaults(run=concurrent.run)
+
+    p = sub.add_parser("story", parents=[shared], help="a SillyTavern-shaped story through /v1: reuse, TTFT, "
+                                                         "degenerate replies")
+    p.add_argument("--turns", type=int, default=36)
+    p.add_argument("--seeds", type=int_list, default=[0, 1, 2])
+    p.add_argument("--policies", type=name_list, default=["h2o", "full"],
+                   help="h2o: the app's cache (its flags); full: the same requests with h2o.policy full")
+    p.add_argument("--max-tokens", type=int, default=300, help="SillyTavern's default reply length")
+    p.add_argument("--threads", type=int, default=2, help="OMP threads of the server")
+    p.add_argument("--h2o-args", default="", help="more app.py flags, e.g. '--budget 512 --dtype float32'")
+    p.add_argument("--app-dir", default=None, help="run the app from this checkout (e.g. a worktree of an "
+                   "older commit: the same client before and after a change)")
+    p.add_argument("--samplers", default="{}", help="JSON of request fields over SillyTavern's defaults, "
+                   "e.g. '{\"top_p\": 0.9}'")
+    p.add_argument("--parallel", action="store_true", help="run every story at once (decoded in one batch; "
+                   "TTFT then includes waiting for the others)")
+    add_quick(p, turns=6, seeds=[0], max_tokens=48)
+    p.set_defaults(run=story.run)
 
     args = parser.parse_args(argv)
     apply_quick(args, argv)

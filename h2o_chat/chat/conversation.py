@@ -1,7 +1,7 @@
 """Conversation: plain data, and the one thing that is saved.
 
     Conversation(id, title, created, updated, revision, messages, settings, forked_from)
-      messages: [Message(role "user" | "assistant", content, pinned)]
+      messages: [Message(role "user" | "assistant" | "system", content, pinned)]
       settings: Settings(cache: CacheConfig, sampling: Sampling, system_prompt: str | None)
 
 Every setting is declared once, here (Sampling) or in cache.config.CacheConfig, with its default,
@@ -23,9 +23,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 
-from ..cache.config import CacheConfig, check_fields, setting
+from ..cache.config import CacheConfig, check_fields, check_number, setting
 
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")  # a system message after the first turn: a frontend's note
 CHOICES = {f.name: f.metadata["choices"] for f in fields(CacheConfig) if f.metadata.get("choices")}
 TITLE_WORDS = 8
 
@@ -36,16 +36,26 @@ class Sampling:
 
     temperature: float = setting(0.7, "randomness of replies (0 = greedy)", label="Temperature",
                                  low=0, high=5)
-    top_p: float = setting(0.9, "draw from the likeliest tokens that together reach this probability",
-                           label="Top-p", low=0, high=1, low_open=True)
+    top_p: float = setting(0.9, "draw from the likeliest tokens that together reach this probability (0 = greedy)",
+                           label="Top-p", low=0, high=1)
     top_k: int = setting(0, "draw from the k likeliest tokens (0 = all)", label="Top-k", low=0, integer=True)
     repetition_penalty: float = setting(1.0, "divides the logits of tokens already seen (1 = off)",
                                         label="Repetition penalty", low=0, low_open=True)
+    frequency_penalty: float = setting(0.0, "subtracts this times the count of each token the reply has drawn "
+                                       "(OpenAI's formula; 0 = off)", label="Frequency penalty", low=-2, high=2)
+    presence_penalty: float = setting(0.0, "subtracts this from every token the reply has drawn (OpenAI's formula; "
+                                      "0 = off)", label="Presence penalty", low=-2, high=2)
+    min_p: float = setting(0.0, "drop tokens less likely than this times the likeliest one (0 = off)", label="Min-p",
+                           low=0, high=1)
+    typical_p: float = setting(1.0, "locally typical sampling: the tokens closest to the expected surprise that "
+                               "together reach this probability (1 = off)", label="Typical-p", low=0, high=1,
+                               low_open=True)
     max_new_tokens: int = setting(256, "the longest a reply may run, in tokens", label="Max new tokens",
                                   low=1, integer=True)
     seed: int | None = setting(None, "a fixed seed draws the same reply every time (None: random)", label="Seed",
                                low=0, high=2**63 - 1, integer=True)
     stop: tuple = ()  # extra stop strings
+    logit_bias: tuple = ()  # ((token id, bias), ...): added to the logits before sampling; -100 bans the token
 
     def __post_init__(self):
         check_fields(self)
@@ -53,6 +63,25 @@ class Sampling:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         self.stop = tuple(stop)
+        self.logit_bias = check_logit_bias(self.logit_bias)
+
+
+BIAS_LIMIT = 100  # OpenAI's bounds; a bias of -100 bans the token outright (sampler.py)
+
+
+def check_logit_bias(pairs):
+    """((token id, bias), ...) sorted by id, from pairs or OpenAI's {"id": bias} map; ValueError otherwise."""
+    if isinstance(pairs, dict):
+        pairs = list(pairs.items())
+    if not isinstance(pairs, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise ValueError(f"logit_bias must map token ids to biases, got {pairs!r}")
+    checked = {}
+    for token, bias in pairs:
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        token = check_number("logit_bias token id", token, low=0, integer=True)
+        checked[token] = float(check_number(f"logit_bias[{token}]", bias, low=-BIAS_LIMIT, high=BIAS_LIMIT))
+    return tuple(sorted(checked.items()))
 
 
 def sampling(values=None, base=None):

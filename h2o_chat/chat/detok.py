@@ -4,6 +4,8 @@
       .push(token_id) -> str   the new text that is safe to show (maybe "")
       .finish() -> str         the rest, at the natural end of a reply
       .text                    everything shown so far; .stopped: a stop string was reached
+      .holding                 text is held back (it could begin a stop string)
+      .tokens_shown()          the tokens whose text starts in what was shown (after a stop: before the cut)
 
     StopStrings(stops)         text pieces in, the text before the first stop string out
       .feed(piece); .take(final=False) -> what is safe to show now; .text; .hit
@@ -18,6 +20,8 @@ stop string is ever shown. Concatenating every piece equals decoding the whole r
 the text it streams) and the evaluations all cut with StopStrings.
 """
 
+import bisect
+
 
 class StopStrings:
     """The text fed to it, cut before the first of `stops`; `take` hands it out in pieces, holding
@@ -30,14 +34,16 @@ class StopStrings:
         self.searched = 0  # text[:searched] holds no stop string
         self.shown = 0  # text[:shown] was handed out
         self.hit = False
+        self.matched = None  # the stop string that cut the text
 
     def feed(self, piece):
         if self.hit:
             return
         self.text += piece
         start = max(0, self.searched - self.longest + 1)
-        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.text, self.hit = self.text[:cut], True
         self.searched = len(self.text)
 
@@ -67,6 +73,7 @@ class Detokenizer:
     def __init__(self, tokenizer, stop=()):
         self.tokenizer = tokenizer
         self.ids = []
+        self.starts = []  # where each token's text begins in the decoded text
         self.prefix = self.read = 0  # ids[prefix:read]: context already turned into text
         self.out = StopStrings(stop)  # the text of ids[:read], cut at a stop string
 
@@ -78,10 +85,18 @@ class Detokenizer:
     def stopped(self):
         return self.out.hit
 
+    @property
+    def holding(self):
+        return self.out.shown < len(self.out.text)
+
+    def tokens_shown(self):
+        return bisect.bisect_left(self.starts, len(self.text))  # starts never decrease
+
     def push(self, token_id):
         if self.stopped:
             return ""
         self.ids.append(token_id)
+        self.starts.append(len(self.out.text))
         context = self._decode(self.ids[self.prefix : self.read])
         window = self._decode(self.ids[self.prefix :])
         if len(window) > len(context) and not window.endswith("\ufffd"):  # a complete character more

@@ -9,44 +9,48 @@ not seen, with the pinned ranges protected before their tokens are fed.
     ChatSession(model, tokenizer, cache=None, system_prompt=None, data_dir=None, session_id=None,
                 batcher=None, **sampling)                a new conversation (Sampling fields); a shared
                                                          batch.Batcher decodes it in one batch with others
-    ChatSession.from_conversation(model, tokenizer, conversation, data_dir=None, on_progress=None)
-    ChatSession.open(model, tokenizer, conversation_id, data_dir, on_progress=None)   (= restore)
+    ChatSession.from_conversation(model, tokenizer, conversation, data_dir=None, on_progress=None, should_stop=None)
+    ChatSession.open(model, tokenizer, conversation_id, data_dir, on_progress=None, should_stop=None)  (= restore)
 
     .conversation .id .messages .history .settings .cache_config .sampling .system_prompt
     .cache .ledger .stats .turn_stats .last_turn .busy .notices
-    send(text) / continue_reply() / regenerate()   -> generator of text pieces
+    send(text, role="user") / continue_reply() / regenerate()   -> generator of text pieces
     undo(), edit(turn, text), pin(turn, pinned=True), configure(cache=None, system_prompt=..., **sampling),
     reset(), stop(), close(), autosave(), record(), to_markdown(), take_notices()
 
 Calls check their input at once: a ValueError (with a sentence saying what is wrong) leaves
 the session exactly as it was. send/continue_reply/regenerate do all their work lazily, inside
 the generator they return: one that is never iterated changes nothing and leaves the session
-free. Stop keeps what was streamed. Saving is compare-and-swap on the conversation's revision
+free. Stop keeps what was streamed, and ends a long prefill within one chunk. Saving is compare-and-swap on the conversation's revision
 (store.write): a session that lost the race to another one (a second tab on the same saved
 conversation) saves its copy as a fork, switches to it and says so in `notices`, so nothing
-either of them sent is lost.
+either of them sent is lost. A data folder that cannot be written never fails a reply: the session
+goes on unsaved, logs one line and says so in `notices` (and `save_error`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..cache.config import CacheConfig
 from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
-from .sampler import Sampler, stop_token_ids
-from .template import render, turn_ranges
+from .sampler import Sampler, stop_token_ids, unpack_logprobs
+from .template import MAX_REPLIES, KnownTokens, render, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
 
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
 AUTOSAVE_EVERY_S = 2.0  # while a reply streams: a crash loses at most this much of it
 _INVISIBLE = ("Cc", "Cf")  # control and format characters (zero-width space, BOM, direction marks)
+MESSAGE_ROLES = ("user", "system", "assistant")  # what send() adds; a late system message is a frontend's note
+log = logging.getLogger("h2o_chat")
 
 
 def check_text(text, what="the message", empty_ok=False):
@@ -77,12 +81,20 @@ def check_system_prompt(text):
 
 @dataclass
 class TurnStats:
-    """One reply's timing, live while it streams (the clock runs until `end` is set)."""
+    """One reply's timing, live while it streams (the clock runs until `end` is set). finish:
+    "stop" (end of turn, a stop string, Stop) or "length" (max_new_tokens), once it has ended;
+    kept_tokens: the tokens whose text the reply kept (those drawn past a stop-string cut are not)."""
 
     start: float = field(default_factory=time.perf_counter)
     first_at: float | None = None
     end: float | None = None
     new_tokens: int = 0
+    kept_tokens: int = 0
+    finish: str | None = None
+    stop_string: str | None = None  # the stop string that ended it
+    processed_before: int = 0  # the timeline's tokens_processed when the turn began
+    prompt_tokens: int = 0  # tokens the reply was drawn after
+    prompt_computed: int = 0  # of those, the ones this turn ran through the model (the rest were cached)
 
     @property
     def ttft_s(self):
@@ -119,6 +131,9 @@ class ChatSession:
         Called while a conversation is replayed into the cache, with tokens fed and to feed.
     batcher : batch.Batcher or None, default None
         Shared with other sessions: their decode steps run as one batched forward.
+    should_stop : callable() -> bool, or None, default None
+        Asked before each chunk of the replay of `conversation`: True ends it there (a Stop
+        pressed while a restored conversation is read back); the next turn feeds the rest.
     **sampling_fields
         `Sampling` fields (temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
         stop); what is not given is Sampling's default.
@@ -139,7 +154,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, cache: CacheConfig | dict | None = None, system_prompt: str | None = None,
                  data_dir: str | os.PathLike | None = None, session_id: str | None = None,
                  conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 batcher=None, **sampling_fields):
+                 batcher=None, should_stop: Callable[[], bool] | None = None, **sampling_fields):
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
             conversation = Conversation(settings=settings)
@@ -152,6 +167,9 @@ class ChatSession:
         self.conversation = conversation
         self.on_progress = on_progress  # callable(done, total) while the conversation is replayed
         self.notices = []  # sentences for the user (a save that became a fork); take_notices() drains them
+        self.save_error = None  # why the last save failed (a sentence without paths), None when it worked
+        self.top_logprobs = None  # k: each reply token's logprob and the k likeliest, in token_logprobs
+        self.token_logprobs = []  # [(token id, logprob, [(id, logprob)] * k)] of the last reply's tokens
         self.last_turn = None  # no reply since the session was made (or opened): no timing to show
         self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
         self._stop = threading.Event()
@@ -159,22 +177,26 @@ class ChatSession:
         self._busy = False  # a reply is being prepared or streamed
         self._free_when_idle = False  # close() came while busy: free the cache when the reply ends
         self._stop_ids = stop_token_ids(model, tokenizer)
+        # the replies as they were generated (a text completion's prompt: the last few texts fed)
+        self._known = KnownTokens(tokenizer, template=self._template_text, keep=8 if self._template_text else MAX_REPLIES)
+        self._segments_fed = []  # the last sync's segments (a continued reply's tokens so far)
+        self._detok = None  # the reply's Detokenizer (how much of it is shown)
         self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
         self.timeline = self._new_timeline(self.cache_config)
         if conversation.messages:
-            self._sync()
+            self._sync(should_stop=should_stop)  # stopped early: the next turn feeds the rest
 
     @classmethod
     def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
-                          batcher=None) -> ChatSession:
+                          batcher=None, should_stop=None) -> ChatSession:
         """The runtime of `conversation`: it is replayed into a fresh cache (pinned messages
         protected before their tokens are fed), calling `on_progress(done, total)` as it goes."""
         return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress,
-                   batcher=batcher)
+                   batcher=batcher, should_stop=should_stop)
 
     @classmethod
     def open(cls, model, tokenizer, conversation_id: str, data_dir: str | os.PathLike, on_progress=None,
-             batcher=None) -> ChatSession:
+             batcher=None, should_stop=None) -> ChatSession:
         """A saved conversation, replayed into a fresh cache.
 
         Parameters
@@ -194,7 +216,7 @@ class ChatSession:
             (a ValueError) when the file is missing, corrupt or holds invalid settings.
         """
         return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress,
-                                     batcher)
+                                     batcher, should_stop)
 
     restore = open
 
@@ -236,8 +258,8 @@ class ChatSession:
                 **timing}
 
     # --- replies: generators that do their work when iterated ---------------------------------
-    def send(self, text: str) -> Iterator[str]:
-        """Add a user message and stream the reply.
+    def send(self, text: str, role: str = "user") -> Iterator[str]:
+        """Add a message and stream the reply to it.
 
         The message is checked at once; everything else happens while the returned generator is
         iterated (one that is never iterated changes nothing).
@@ -246,6 +268,11 @@ class ChatSession:
         ----------
         text : str
             The message, kept exactly as typed (see `check_text` for what is refused).
+        role : {"user", "system", "assistant"}, default "user"
+            A system message after the history is a frontend's instruction for this reply (a
+            continue nudge, an impersonation prompt); an assistant message is answered as a
+            finished turn (OpenAI's semantics for a final assistant message; `continue_reply`
+            writes on in it instead).
 
         Returns
         -------
@@ -258,7 +285,9 @@ class ChatSession:
             At once, for a message that is not usable text or while a reply is being written;
             `GenerationError` (a ValueError) while iterating, when the model runs out of memory.
         """
-        message = Message("user", check_text(text))
+        if role not in MESSAGE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
+        message = Message(role, check_text(text, empty_ok=role != "user"))
         self._stop.clear()  # a Stop pressed from here on stops this reply, even before it starts
         return self._exchange(message)
 
@@ -283,7 +312,7 @@ class ChatSession:
         """A new user message and its reply, or (message None) a new draw of the last reply."""
         self._begin()
         try:
-            self.last_turn = TurnStats()  # from here: the time to the first token includes reading the message
+            self.last_turn = TurnStats(processed_before=self.timeline.tokens_processed)  # TTFT includes the prefill
             messages = self.messages
             if message is None and not messages:
                 raise ValueError("there is no reply to regenerate")
@@ -293,7 +322,7 @@ class ChatSession:
                 messages.append(message)
                 self.autosave()  # a crash from here on loses at most the reply
             try:
-                self._sync(add_generation_prompt=True)
+                complete = self._sync(add_generation_prompt=True, should_stop=self._stop.is_set)
             except ValueError as e:  # the message could not even be read (out of memory): as if never sent
                 if message is not None:
                     messages.pop()
@@ -302,6 +331,9 @@ class ChatSession:
                     messages.append(dropped)
                 raise
             messages.append(Message("assistant", ""))
+            if not complete:  # stopped while the prompt was read: an empty reply (the next turn feeds the rest)
+                self.last_turn.finish, self.last_turn.end = "stop", time.perf_counter()
+                return
             self.timeline.mark()  # what regenerate returns to
             yield from self._stream(ban_stop_first=False)
         finally:
@@ -310,8 +342,10 @@ class ChatSession:
     def _continue(self):
         self._begin()
         try:
-            self.last_turn = TurnStats()
-            self._sync(open_reply=True)
+            self.last_turn = TurnStats(processed_before=self.timeline.tokens_processed)
+            if not self._sync(open_reply=True, should_stop=self._stop.is_set):
+                self.last_turn.finish, self.last_turn.end = "stop", time.perf_counter()
+                return
             self.timeline.mark()
             yield from self._stream(ban_stop_first=True)
         finally:
@@ -320,19 +354,30 @@ class ChatSession:
     def _stream(self, ban_stop_first):
         message, turn, timeline = self.messages[-1], len(self.messages) - 1, self.timeline
         prefix, detok = message.content, Detokenizer(self.tokenizer, self.sampling.stop)
-        stats = self.last_turn
-        self._sampler.begin(timeline.fed, timeline.logits.numel())
+        self._detok = detok
+        prefix_ids = self._open_reply_ids(turn) if prefix else []
+        stats, sampler = self.last_turn, self._sampler
+        sampler.top_logprobs, self.token_logprobs = self.top_logprobs, []
+        sampler.begin(timeline.fed, timeline.logits.numel())
+        reply_start = stats.prompt_tokens = len(timeline.fed)
+        stats.prompt_computed = timeline.tokens_processed - stats.processed_before
+        # a stop string may end inside text the model has already been fed: from the first token
+        # whose text is held back (it could begin one), a snapshot to take those tokens back
+        held = None
+        stats.finish = "length"
         saved_at = time.perf_counter()
         try:
             for step in range(self.sampling.max_new_tokens):
                 if self._stop.is_set():
+                    stats.finish = "stop"
                     return
                 if time.perf_counter() - saved_at >= AUTOSAVE_EVERY_S:  # a long reply is saved as it grows
                     self.autosave()
                     saved_at = time.perf_counter()
-                token = self._sampler.sample(timeline.logits, ban_stop=ban_stop_first and step == 0)
-                token_id = int(token)  # the one host sync per token: the text must be streamed
+                token = sampler.sample(timeline.logits, ban_stop=ban_stop_first and step == 0)
+                token_id = self._read(token)  # the one host sync per token: the text must be streamed
                 if token_id in self._stop_ids:
+                    stats.finish = "stop"
                     break
                 stats.new_tokens += 1
                 piece = detok.push(token_id)
@@ -341,7 +386,9 @@ class ChatSession:
                     stats.first_at = stats.first_at or time.perf_counter()
                     yield piece
                 if detok.stopped:
+                    stats.finish = "stop"
                     break
+                held = (held or timeline.snapshot()) if detok.holding else None
                 timeline.feed_token(token, token_id, "assistant", turn)
             piece = detok.finish()  # the natural end: an incomplete last character is shown as it is
             if piece:
@@ -349,9 +396,35 @@ class ChatSession:
                 yield piece
         finally:
             timeline.leave_batch()  # the reply's cache rows go back to it, before anything else touches them
+            if detok.stopped and held is not None:
+                timeline.rewind(held)  # the cache holds no token of the text the stop string cut
             stats.end = time.perf_counter()
+            stats.kept_tokens = detok.tokens_shown() if detok.stopped else stats.new_tokens
+            stats.stop_string = detok.out.matched
             message.content = prefix + detok.text
+            self._remember_reply(message.content, prefix_ids + timeline.fed[reply_start:])
             self.turn_stats.append({"turn": turn, **self.stats})
+
+    def tokens_shown(self):
+        """How many tokens of the reply streaming now (or the last one) have their text shown:
+        their logprobs can be sent with it."""
+        return self._detok.tokens_shown() if self._detok is not None else 0
+
+    def _read(self, token):
+        """The drawn token's id, read from the device (with its logprobs, when asked, in the same read)."""
+        if self._sampler.top_logprobs is None:
+            return int(token)
+        token_id, logprob, top = unpack_logprobs(self._sampler.logprobs[0].tolist(), self.top_logprobs)
+        self.token_logprobs.append((token_id, logprob, top))
+        return token_id
+
+    def _open_reply_ids(self, turn):
+        """The tokens a continued reply's text was fed as (the last segment of the last sync)."""
+        last = self._segments_fed[-1] if self._segments_fed else None
+        return list(last.ids) if last is not None and last.turn == turn and last.role == "assistant" else []
+
+    def _remember_reply(self, text, ids):
+        self._known.remember(text, ids)
 
     def _begin(self):
         with self._lock:
@@ -456,6 +529,17 @@ class ChatSession:
             self._sampler = sampler
         self.autosave()
 
+    def copy(self):
+        """A second runtime of this conversation, never saved, holding a copy of its cache (no
+        replay): the other choices of an n > 1 request are drawn in copies, as rows of one batch."""
+        self._check_idle()
+        twin = type(self)(self.model, self.tokenizer, cache=self.cache_config, system_prompt=self.system_prompt,
+                          batcher=self.batcher, **asdict(self.sampling))
+        twin.messages = [Message(m.role, m.content, m.pinned) for m in self.messages]
+        twin.timeline = self.timeline.copy()
+        twin._known.replies = dict(self._known.replies)
+        return twin
+
     def reset(self):
         """Empty the conversation (same id and settings)."""
         self._check_idle()
@@ -466,7 +550,8 @@ class ChatSession:
 
     def stop(self) -> None:
         """Ask a streaming reply to end; safe from another thread. The reply ends within one token
-        and keeps what it streamed."""
+        and keeps what it streamed; a prompt being read stops within one prefill chunk (the
+        reply is empty)."""
         self._stop.set()
 
     def close(self):
@@ -486,11 +571,22 @@ class ChatSession:
         if self.data_dir is None:
             return
         try:
-            store.write(self.data_dir, self.conversation)
-        except store.StaleRevisionError as e:
-            fork = self.conversation.become_fork()
-            store.write(self.data_dir, fork)
-            self.notices.append(f"{e}. Your copy is saved as a new conversation, {fork.display_title!r} ({fork.id}).")
+            try:
+                store.write(self.data_dir, self.conversation)
+            except store.StaleRevisionError as e:
+                fork = self.conversation.become_fork()
+                store.write(self.data_dir, fork)
+                self.notices.append(f"{e}. Your copy is saved as a new conversation, {fork.display_title!r} "
+                                    f"({fork.id}).")
+        except OSError as e:  # a full disk, a folder made read-only: the chat goes on, unsaved
+            reason = e.strerror or type(e).__name__
+            if self.save_error is None:  # said once, not at every save of every token's worth
+                log.warning("h2o-chat: conversation %s is not being saved: the data folder cannot be written (%s)",
+                            self.id, reason)
+                self.notices.append(f"This chat is not being saved: the data folder cannot be written ({reason}).")
+            self.save_error = reason
+            return
+        self.save_error = None
 
     def take_notices(self):
         notices, self.notices = self.notices, []
@@ -506,18 +602,23 @@ class ChatSession:
     def _new_timeline(self, cache_config):
         return Timeline(self.model, self.tokenizer, cache_config, self.batcher)
 
-    def _segments(self, add_generation_prompt=False, open_reply=True):
-        return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply)
+    _template_text = False  # message texts are plain text (a TextSession's prompt is not)
 
+    def _segments(self, add_generation_prompt=False, open_reply=True):
+        return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply,
+                      known=self._known)
 
     def _pins(self, segments):
         return turn_ranges(segments, {i for i, m in enumerate(self.messages) if m.pinned})
 
-    def _sync(self, add_generation_prompt=False, open_reply=True):
+    def _sync(self, add_generation_prompt=False, open_reply=True, should_stop=None):
+        """Make the cache hold the rendered conversation; False when should_stop() ended it early."""
         segments = self._segments(add_generation_prompt, open_reply and not add_generation_prompt)
-        self.timeline.sync(segments, self._pins(segments), self.on_progress)
+        complete = self.timeline.sync(segments, self._pins(segments), self.on_progress, should_stop)
+        self._segments_fed = segments
         n = len(self.timeline.fed)
         self.turn_stats = [row for row in self.turn_stats if row["tokens_seen"] <= n]  # a replay redraws
+        return complete
 
     @property
     def _fed(self):

@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .conversation import Conversation, Summary
+from .conversation import ROLES, Conversation, Summary
 
 FORMAT_VERSION = 2
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: "$" would let "id\n" through
@@ -149,7 +149,7 @@ def load(data_dir, session_id):
                                f"(format {record['version']}, this one reads {FORMAT_VERSION})")
     messages = record.get("messages")
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and m.get("role") in ("user", "assistant") and _is_text(m.get("content"))
+            isinstance(m, dict) and m.get("role") in ROLES and _is_text(m.get("content"))
             for m in messages):
         raise SessionFileError(f"saved session {session_id!r} has a malformed transcript")
     if not (record.get("system_prompt") is None or _is_text(record["system_prompt"])):

@@ -1,18 +1,32 @@
 """The chat template, as token segments: what the model sees of a conversation.
 
-    render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False)
+    render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None)
       -> [Segment(ids, role, turn)]   turn: index into messages, -1 for the system prompt
 
 Message texts are tokenized on their own with special tokens split, so a user typing
 "<|im_end|>" gets plain text, never a control token; the template's own text is tokenized
 normally. Both meet at the template's fixed separators: the template is rendered with a
 placeholder per message, and split there.
+
+System messages may come anywhere (frontends put an author's note, a continue nudge or an
+impersonation prompt after the history); ChatML and most templates take them where they are. A
+template that refuses one (it raises, or drops its text) gets it folded into a user turn: the next
+one, else the user turn before it, else a user turn of its own; if it still refuses, the system
+prompt is folded the same way.
+
+`known` (a KnownTokens) gives the token ids a reply was generated as: the model draws tokens that
+BPE would often split differently, and a reply rendered from its text would then no longer match
+what the cache holds, so every turn would compute the previous reply again.
 """
 
+import os
 import threading
 from typing import NamedTuple
 
+from jinja2 import TemplateError
+
 PLACEHOLDER = "\x00h2o-content-{}\x00"
+FOLD_SEPARATOR = "\n\n"  # between a folded system message and the user text it joins
 # A fast tokenizer's split_special_tokens is a flag set on the shared Rust tokenizer for the call:
 # two conversations tokenizing at once (two tabs, two API clients) could each read the other's
 # flag, and a template's <|im_start|> came out as 12 characters. One call at a time.
@@ -25,7 +39,7 @@ class Segment(NamedTuple):
     turn: int
 
 
-def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False):
+def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None):
     """The segments of the whole history as the chat template lays it out. messages: objects
     with .role and .content. With open_reply a last reply is left open (no end-of-turn), as
     it is right after generating it; otherwise add_generation_prompt opens a new one."""
@@ -33,25 +47,84 @@ def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open
     shown = messages[:-1] if open_last else messages
     add_generation_prompt = add_generation_prompt or open_last
     keys = (["s"] if system_prompt else []) + list(range(len(shown)))
-    chat = [{"role": "system" if k == "s" else shown[k].role, "content": PLACEHOLDER.format(k)} for k in keys]
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt) \
-        if chat else ""
+    roles = {k: "system" if k == "s" else shown[k].role for k in keys}
+    text = _apply(tokenizer, keys, roles, add_generation_prompt)
     segments, turn = [], -1 if system_prompt else 0
     for key in keys:
         head, text = text.split(PLACEHOLDER.format(key), 1)
         content, role = (system_prompt, "system") if key == "s" else (shown[key].content, shown[key].role)
         segments += [Segment(tokenize(tokenizer, head, template=True), role, turn),
-                     Segment(tokenize(tokenizer, content, template=False), role, turn)]
+                     Segment(content_ids(tokenizer, content, role, known), role, turn)]
         turn += 1
     tail = len(shown)
     if open_last:
         segments += [Segment(tokenize(tokenizer, text, template=True), "assistant", tail),
-                     Segment(tokenize(tokenizer, messages[-1].content, template=False), "assistant", tail)]
+                     Segment(content_ids(tokenizer, messages[-1].content, "assistant", known), "assistant", tail)]
     elif add_generation_prompt:
         segments.append(Segment(tokenize(tokenizer, text, template=True), "assistant", tail))
     else:  # the last message's end-of-turn
         segments.append(Segment(tokenize(tokenizer, text, template=True), "template", tail - 1))
     return [s for s in segments if s.ids]
+
+
+def _apply(tokenizer, keys, roles, add_generation_prompt):
+    """The template's text with a placeholder per message: system messages where they are if the
+    template takes them, else folded (late ones first, then the system prompt too)."""
+    if not keys:
+        return ""
+    first_turn = next((i for i, k in enumerate(keys) if roles[k] != "system"), len(keys))
+    late = [k for k in keys[first_turn:] if roles[k] == "system"]
+    attempts = [[[roles[k], [k]] for k in keys]]
+    if late:
+        attempts.append(fold(keys, roles, set(late)))
+    if any(roles[k] == "system" for k in keys):
+        attempts.append(fold(keys, roles, {k for k in keys if roles[k] == "system"}))
+    for i, groups in enumerate(attempts):
+        chat = [{"role": role, "content": FOLD_SEPARATOR.join(PLACEHOLDER.format(k) for k in group)}
+                for role, group in groups]
+        try:
+            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            if i == len(attempts) - 1:
+                raise ValueError(f"the model's chat template refuses this conversation: {e}") from None
+            continue
+        if all(PLACEHOLDER.format(k) in text for k in keys):
+            return text
+    raise ValueError("the model's chat template drops some of the messages, even with system messages folded "
+                     "into user turns")
+
+
+def fold(keys, roles, folded):
+    """[[role, [keys]]]: each run of `folded` system messages joins the user message after it, else
+    the one before it, else becomes a user message of its own (message order is kept)."""
+    groups, i = [], 0
+    while i < len(keys):
+        if keys[i] not in folded:
+            groups.append([roles[keys[i]], [keys[i]]])
+            i += 1
+            continue
+        j = i
+        while j < len(keys) and keys[j] in folded:
+            j += 1
+        run = keys[i:j]
+        if j < len(keys) and roles[keys[j]] == "user":
+            groups.append(["user", run + [keys[j]]])
+            j += 1
+        elif groups and groups[-1][0] == "user":
+            groups[-1][1] += run
+        else:
+            groups.append(["user", run])
+        i = j
+    return groups
+
+
+def content_ids(tokenizer, content, role, known=None):
+    """A message's text as tokens: a reply as it was generated (when `known` has it), else tokenized."""
+    if known is not None and role == "assistant":
+        ids = known.ids(content)
+        if ids is not None:
+            return ids
+    return tokenize(tokenizer, content, template=False)
 
 
 def tokenize(tokenizer, text, template):
@@ -74,3 +147,68 @@ def turn_ranges(segments, turns):
             ranges[s.turn] = (start, pos + len(s.ids))
         pos += len(s.ids)
     return [ranges[t] for t in sorted(ranges)]
+
+
+MAX_REPLIES = 1024  # replies a session remembers the tokens of (its whole conversation, in practice)
+
+
+class KnownTokens:
+    """The token ids replies were generated (and fed) as, by their text: `ids(text)` gives them
+    back for that text, for a start of it (the client trimmed its end) or for a text that goes on
+    after it (a continued reply), the rest tokenized after them. Every reply the conversation
+    still shows must keep rendering as it was fed, however old, or the cache would diverge there
+    and replay everything after it: so all of them are kept (up to MAX_REPLIES), and a text that
+    only shares a few first characters with a reply (a greeting that starts like one) is not
+    matched to it, which could change as replies are added.
+
+    template: the texts hold the template's special tokens as written (a text completion's
+    prompt, one growing text: there the longest shared start is always the one to use)."""
+
+    def __init__(self, tokenizer, template=False, keep=MAX_REPLIES):
+        self.tokenizer, self.template, self.keep = tokenizer, template, keep
+        self.replies = {}  # text -> (ids, length of the text the ids decode to), oldest first
+
+    def remember(self, text, ids):
+        """ids: tokens whose text is a prefix of `text` (the rest of it is tokenized when asked)."""
+        covered = self._decode(ids)
+        if text and ids and text.startswith(covered):
+            self.replies.pop(text, None)
+            self.replies[text] = (list(ids), len(covered))
+            while len(self.replies) > self.keep:
+                self.replies.pop(next(iter(self.replies)))
+
+    def ids(self, text):
+        """`text` as tokens, starting with the most of a remembered reply's ids that it repeats;
+        None when it repeats none of them."""
+        if not text:
+            return None
+        if text in self.replies:
+            ids, done = self.replies[text]
+        else:
+            best = None
+            for known, (ids, done) in self.replies.items():
+                same = len(os.path.commonprefix([known, text]))
+                usable = same >= done or same == len(text) or (self.template and same > 0)
+                if usable and (best is None or same > best[0]):
+                    best = (same, ids, done)
+            if best is None:
+                return None
+            same, ids, done = best
+            if same < done:  # the text stops inside what the tokens cover: the most of them that it holds
+                ids, done = self._longest_prefix(ids, text[:same])
+        return ids + tokenize(self.tokenizer, text[done:], template=self.template) if ids else None
+
+    def _longest_prefix(self, ids, text):
+        """The most of `ids` that decodes to a start of `text`: (ids[:k], len of their text)."""
+        low, high, found = 0, len(ids), (0, 0)
+        while low <= high:  # decoding a longer prefix gives a longer text: binary search
+            k = (low + high) // 2
+            piece = self._decode(ids[:k])
+            if text.startswith(piece):
+                found, low = (k, len(piece)), k + 1
+            else:
+                high = k - 1
+        return ids[: found[0]], found[1]
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=not self.template) if ids else ""

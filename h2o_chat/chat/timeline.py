@@ -4,14 +4,18 @@
       .cache     the H2OCache
       .ledger    every token fed, in order (ledger.vocab_ids is the fed-token timeline)
       .logits    [vocab] after the last fed token (what the next token is drawn from)
-      .sync(segments, pins, on_progress)   the one replay path (see below)
+      .sync(segments, pins, on_progress, should_stop)   the one replay path (see below)
       .feed_token(token, token_id, role, turn)   one generated token
       .mark()    a snapshot of now, to come back to cheaply (undo, regenerate, a changed reply)
+      .snapshot() / .rewind(snapshot)   the same, held by the caller (a reply's stop-string cut)
 
 `sync` makes the cache hold exactly the rendered `segments`: it keeps the longest fed prefix
 they share (going back to the latest snapshot inside it, or to empty), protects the pinned
 ranges (absolute [start, end) of the rendered tokens) BEFORE any of their tokens is fed, then
 feeds the rest in chunks. Edit, settings change, restore and reload all come through it.
+`should_stop()` is asked before each chunk: a Stop or a client that has gone ends a long prefill
+or replay within one chunk, leaving the timeline at a consistent shorter state (the next sync
+feeds the rest).
 
 A forward that fails (out of memory) goes back to a state the cache has fully seen, so the
 timeline is never ahead of or behind the cache.
@@ -63,8 +67,9 @@ class Timeline:
     def fed(self):
         return self.ledger.vocab_ids
 
-    def sync(self, segments, pins=(), on_progress=None):
-        """Feed what the cache lacks of `segments`; pins checked (ValueError, nothing changed) first."""
+    def sync(self, segments, pins=(), on_progress=None, should_stop=None):
+        """Feed what the cache lacks of `segments`; pins checked (ValueError, nothing changed) first.
+        Returns False when should_stop() ended it early."""
         self.cache.set_pins(pins)  # refused here, before anything changed, when the budget has no room
         target = token_ids(segments)
         common = 0
@@ -80,11 +85,29 @@ class Timeline:
             if pos + len(ids) > len(self.fed):
                 parts.append((ids[max(0, len(self.fed) - pos) :], role, turn))
             pos += len(ids)
-        self.feed(parts, on_progress, len(target))
+        return self.feed(parts, on_progress, len(target), should_stop)
+
+    def copy(self):
+        """Another timeline at the same state: a copy of the cache, the ledger and the snapshots
+        (snapshots are only ever read, so they are shared)."""
+        twin = Timeline(self.model, self.tokenizer, self.cache.config, self.batcher)
+        twin.cache.restore(self.cache.snapshot())
+        twin.ledger = Ledger(*(list(getattr(self.ledger, name)) for name in ("vocab_ids", "pieces", "roles", "turns")))
+        twin.logits, twin.snapshots, twin.tokens_processed = self.logits, list(self.snapshots), self.tokens_processed
+        return twin
 
     def mark(self):
-        self.snapshots = self.snapshots[-(MAX_SNAPSHOTS - 1) :] + [
-            Snapshot(len(self.fed), self.cache.snapshot(), self.logits)]
+        self.snapshots = self.snapshots[-(MAX_SNAPSHOTS - 1) :] + [self.snapshot()]
+
+    def snapshot(self):
+        return Snapshot(len(self.fed), self.cache.snapshot(), self.logits)
+
+    def rewind(self, snap):
+        """Back to `snap` (a snapshot of this timeline, taken since the last go_back before it)."""
+        self.cache.restore(snap.cache)
+        self.logits = snap.logits
+        self.ledger.truncate(snap.n_fed)
+        self.snapshots = [s for s in self.snapshots if s.n_fed <= snap.n_fed]
 
     def go_back(self, n):
         """Return to the latest snapshot of at most `n` tokens (or to empty)."""
@@ -100,13 +123,16 @@ class Timeline:
         self.snapshots = [s for s in self.snapshots if s.n_fed <= n]
 
     @torch.no_grad()
-    def feed(self, parts, on_progress=None, total=None):
+    def feed(self, parts, on_progress=None, total=None, should_stop=None):
         """Feed parts [(ids, role, turn)] in order, in chunks of prefill_chunk tokens that run
         across their boundaries: a forward reads every weight once, so a new message (its
-        template head, its text, the reply's opening: three parts) costs one forward, not three."""
+        template head, its text, the reply's opening: three parts) costs one forward, not three.
+        Returns False when should_stop() said to stop before a chunk."""
         chunk = self.cache.config.prefill_chunk
         tokens = [(t, role, turn) for ids, role, turn in parts for t in ids]
         for s in range(0, len(tokens), chunk):
+            if should_stop is not None and should_stop():
+                return False
             part = tokens[s : s + chunk]
             self._forward(torch.tensor([[t for t, _, _ in part]], device=self.model.device))
             for (role, turn), run in itertools.groupby(part, key=lambda token: token[1:]):
@@ -114,6 +140,7 @@ class Timeline:
                 self.ledger.append(ids, [self.tokenizer.decode([t]) for t in ids], role, turn)
             if on_progress:
                 on_progress(len(self.fed), total)
+        return True
 
     @torch.no_grad()
     def feed_token(self, token, token_id, role, turn):

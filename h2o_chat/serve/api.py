@@ -1,256 +1,95 @@
-"""An OpenAI-compatible API beside the UI: `/v1/models`, `/v1/chat/completions`, `/v1/completions`
-and `/health`, as routes for the FastAPI app Gradio runs on (one process, one model).
+"""An OpenAI-compatible API beside the UI, and llama.cpp's native routes, as routes for the FastAPI
+app Gradio runs on (one process, one model):
+
+    GET  /v1/models, /v1/models/{id}; POST /v1/chat/completions, /v1/completions    (OpenAI's)
+    POST /completion, /tokenize, /detokenize; GET /props, /health                  (llama.cpp's)
 
 Clients resend the whole history with every request; the SessionPool lends each request the
 live ChatSession that shares the most of it, so only the unseen rest is computed
 (`usage.prompt_tokens_details.cached_tokens` says how much was not). Generation runs in a worker
-thread per request; a client that disconnects stops it at the next token.
+thread per request; a client that disconnects stops it at the next token, or within one prefill
+chunk while its prompt is being read. Bodies are read in requests.py (every field honoured,
+ignored or refused), answered in shapes.py's shapes.
 
 Per-request cache settings ride in an extension object, `"h2o": {"policy", "budget",
 "n_recent", "n_sink", "score", "positions", "pinned": [message indices]}`; the rest default to the
-app's flags. Repetition penalty and top_k are accepted as the extensions llama.cpp and vLLM name
-them (`repetition_penalty`, `top_k`).
+app's flags.
 """
 
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..cache.config import APP_FIELDS
-from ..chat.conversation import Sampling, cache_config
-from ..chat.detok import StopStrings
-from ..chat.session import ChatSession, GenerationError, check_text
+from ..chat.conversation import Message, Sampling
+from ..chat.sampler import stop_token_ids
+from ..chat.session import ChatSession, GenerationError
+from ..chat.template import render, token_ids, tokenize
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
+from .requests import (
+    LLAMACPP_NAMES,
+    ApiError,
+    read_chat_request,
+    read_native_request,
+    read_text_request,
+)
+from .shapes import Shape, sse, usage
 
-ROLES = ("system", "developer", "user", "assistant")
+__all__ = ["ApiError", "create_router", "read_chat_request", "read_text_request"]  # what tests import
+
 DISCONNECT_POLL_S = 0.1  # how often a request waiting on its worker checks that its client is still there
+MAX_PROMPT_TOKENS = 32_768  # the default --max-prompt-tokens: ~1 min of prefill on a 2-core CPU, seconds on a GPU
+BODY_BYTES_PER_TOKEN = 16  # a body may hold this much per prompt token (JSON escapes, the other fields)
+NOT_SAVED_HEADER = "X-H2O-Not-Saved"  # on a response whose conversation could not be saved: why
+log = logging.getLogger("h2o_chat")
 
-
-class ApiError(Exception):
-    """An error the client caused (or 503): answered in OpenAI's JSON error shape."""
-
-    def __init__(self, status, message, param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self):
-        kind = {401: "authentication_error", 404: "not_found_error", 503: "server_error"}.get(
-            self.status, "invalid_request_error")
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-# --- reading a request --------------------------------------------------------------------------
-
-@dataclass
-class Job:
-    """One request, as the worker thread runs it."""
-
-    kind: str  # "chat" or "text"
-    system_prompt: str | None
-    messages: list  # [{"role", "content", "pinned"}], the last one the user's (or an open reply)
-    sampling: dict
-    cache: dict
-    stream: bool = False
-    include_usage: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    session: object = None
-
-    def cancel(self):
-        """The client has gone: stop now (safe from any thread, at any point of the job)."""
-        self.cancelled.set()
-        if self.session is not None:
-            self.session.stop()
-
-
-def _text_of(content, where):
-    """A message's content: text, or OpenAI's list of typed parts (text parts only)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{where}: only text parts are supported, got {kind!r}", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(400, f"{where}: content must be text or a list of text parts", "messages")
-
-
-def _checked(text, where, empty_ok=False):
-    try:
-        return check_text(text, where, empty_ok=empty_ok)
-    except ValueError as e:
-        raise ApiError(400, str(e), "messages") from None
-
-
-def read_messages(messages):
-    """(system_prompt, [{"role", "content", "pinned"}]) from OpenAI's messages: the leading
-    system (or developer) messages make the system prompt; the rest must be user and assistant
-    messages, the last one the user's (or an assistant's reply to continue)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
-    system, chat = [], []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object with role and content", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"{where}: unknown role {role!r}; the roles are {', '.join(ROLES)}", "messages")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        text = _text_of(content, where)
-        if role in ("system", "developer"):
-            if chat:
-                raise ApiError(400, f"{where}: a system message after the conversation has started is not "
-                                    "supported; put system messages first", "messages")
-            system.append(_checked(text, f"{where} (system)", empty_ok=True))
-        else:
-            chat.append({"role": role, "content": _checked(text, where, empty_ok=role == "assistant"),
-                         "pinned": False})
-    if not chat:
-        raise ApiError(400, "messages hold no user message", "messages")
-    system_prompt = "\n\n".join(s for s in system if s.strip()) or None
-    if system_prompt is not None:
-        _checked(system_prompt, "the system prompt", empty_ok=True)
-    return system_prompt, chat, len(system)
-
-
-def _number(body, name, kinds, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ApiError(400, f"{name} must be a number, got {value!r}", name)
-    return value
-
-
-def read_sampling(body):
-    """Sampling fields (OpenAI's names) -> all of Sampling's (what a request leaves out is
-    Sampling's default, never what the session's previous request said), checked by Sampling."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _number(body, name, (int, float), 0):
-            raise ApiError(400, f"{name} is not supported; use repetition_penalty (1.0 = off)", name)
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(400, "only n = 1 is supported", "n")
-    if body.get("logprobs") or body.get("echo"):
-        raise ApiError(400, "logprobs and echo are not supported", "logprobs")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    sampling = asdict(Sampling())
-    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
-        if body.get(name) is not None:
-            sampling[name] = body[name]
-    if max_tokens is not None:
-        sampling["max_new_tokens"] = max_tokens
-    stop = body.get("stop")
-    sampling["stop"] = () if stop is None else stop
-    try:
-        return asdict(Sampling(**sampling))  # as Sampling reads them: a stop string becomes a tuple of one
-    except (TypeError, ValueError) as e:
-        name = str(e).split(" ")[0]
-        name = {"max_new_tokens": "max_tokens"}.get(name, name)
-        raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"), name) from None
-
-
-def read_cache(body, defaults, n_system, n_chat):
-    """The `h2o` extension object: cache settings over the app's defaults, and pinned message
-    indices (into the request's messages)."""
-    ext = body.get("h2o") or {}
-    if not isinstance(ext, dict):
-        raise ApiError(400, "h2o must be an object of cache settings", "h2o")
-    unknown = sorted(set(ext) - set(APP_FIELDS) - {"pinned"})
-    if unknown:
-        raise ApiError(400, f"unknown h2o setting {unknown[0]!r}; the settings are "
-                            f"{', '.join(APP_FIELDS)}, pinned", "h2o")
-    cache = dict(defaults, **{k: v for k, v in ext.items() if k != "pinned"})
-    try:
-        cache_config(cache)  # checked with the rest of the body: a 400 before a worker starts
-    except ValueError as e:
-        raise ApiError(400, str(e), "h2o") from None
-    pinned = ext.get("pinned") or []
-    if not isinstance(pinned, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in pinned):
-        raise ApiError(400, "h2o.pinned must be a list of message indices", "h2o")
-    turns = []
-    for i in pinned:
-        if not 0 <= i < n_system + n_chat:
-            raise ApiError(400, f"h2o.pinned: no message {i} (the request has {n_system + n_chat})", "h2o")
-        if i < n_system:
-            raise ApiError(400, f"h2o.pinned: message {i} is a system message; only user and assistant "
-                                "messages can be pinned", "h2o")
-        turns.append(i - n_system)
-    return cache, turns
-
-
-def read_chat_request(body, cache_defaults):
-    """A /v1/chat/completions body (a dict) -> the Job that answers it; ApiError (400) saying what
-    is wrong with anything it cannot run. Every check of the body is made here, before any work."""
-    system_prompt, messages, n_system = read_messages(body.get("messages"))
-    sampling = read_sampling(body)
-    cache, pinned = read_cache(body, cache_defaults, n_system, len(messages))
-    for turn in pinned:
-        messages[turn]["pinned"] = True
-    return Job("chat", system_prompt, messages, sampling, cache, *stream_flags(body))
-
-
-def read_text_request(body, cache_defaults):
-    """A /v1/completions body (a dict) -> the Job that answers it (the prompt as one open user
-    turn); ApiError (400) otherwise."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise ApiError(400, "prompt must be one string", "prompt")
-    prompt = _checked(prompt, "the prompt")
-    sampling = read_sampling(body)
-    cache, _ = read_cache(body, cache_defaults, 0, 0)
-    return Job("text", None, [{"role": "user", "content": prompt, "pinned": False}], sampling, cache,
-               *stream_flags(body))
-
-
-# --- the routes ---------------------------------------------------------------------------------
 
 def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None, closed=False, concurrency=1,
-                  max_kv_mib=MAX_IDLE_KV_MIB, model_id=None, batcher=None):
-    """The `/v1` routes and `/health`. api_key: required as `Authorization: Bearer KEY` on `/v1`;
-    closed (the UI has a login and no key was given): `/v1` refuses every request, so the API is
+                  max_kv_mib=MAX_IDLE_KV_MIB, model_id=None, batcher=None, max_prompt_tokens=MAX_PROMPT_TOKENS):
+    """The API's routes. api_key: required as `Authorization: Bearer KEY` on every one of them;
+    closed (the UI has a login and no key was given): they refuse every request, so the API is
     never open where the UI is not. model None: the model is still loading (503). batcher: the
-    app's batch.Batcher, shared with the UI (None: each reply runs the model in its own worker)."""
-    api = Api(model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib, model_id, batcher)
+    app's batch.Batcher, shared with the UI (None: each reply runs the model in its own worker).
+    max_prompt_tokens: a longer prompt is refused before any of it is computed."""
+    api = Api(model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib, model_id, batcher,
+              max_prompt_tokens)
     router = APIRouter()
-    router.pool, router.batcher = api.pool, batcher  # for tests and the bench: what is live
-    router.add_api_route("/health", api.health, methods=["GET"])
-    for path, handler, method in (("/v1/models", api.models, "GET"),
-                                  ("/v1/chat/completions", api.chat_completions, "POST"),
-                                  ("/v1/completions", api.completions, "POST")):
-        router.add_api_route(path, api.guarded(handler), methods=[method])
-    router.add_api_route("/v1/{path:path}", api.unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    router.pool, router.batcher, router.api = api.pool, batcher, api  # for tests and the bench: what is live
+    for path, handler, method, needs_model in (
+            ("/health", api.health, "GET", False), ("/v1/health", api.health, "GET", False),
+            ("/v1/models", api.models, "GET", True), ("/v1/models/{model_id:path}", api.model_info, "GET", True),
+            ("/v1/chat/completions", api.chat_completions, "POST", True),
+            ("/v1/completions", api.completions, "POST", True),
+            ("/completion", api.native_completion, "POST", True), ("/tokenize", api.tokenize, "POST", True),
+            ("/detokenize", api.detokenize, "POST", True), ("/props", api.props, "GET", True)):
+        router.add_api_route(path, api.guarded(handler, needs_model), methods=[method])
+    router.add_api_route("/v1/{path:path}", api.guarded(api.unknown, False),
+                         methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     return router
 
 
 class Api:
     """What the routes share: the model, the pool of live sessions, the worker slots and the
-    access rules. A request is read into a Job, run by a worker thread, and answered whole or as
-    server-sent events from the worker's events."""
+    access rules. A request is read into a Job, run by worker threads, and answered whole or as
+    server-sent events from the workers' events."""
 
     def __init__(self, model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib,
-                 model_id, batcher):
+                 model_id, batcher, max_prompt_tokens=MAX_PROMPT_TOKENS):
         self.model, self.tokenizer, self.cache_defaults, self.data_dir = model, tokenizer, cache_defaults, data_dir
         self.api_key, self.closed, self.batcher = api_key, closed, batcher
         self.model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
+        self.concurrency, self.max_prompt_tokens = concurrency, max_prompt_tokens
         self.workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
         self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20))
+        self.stop_ids = stop_token_ids(model, tokenizer) if model is not None else set()
 
     def make_session(self, kind, cache, system_prompt):
         if kind == "text":
@@ -270,34 +109,46 @@ class Api:
             raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
                            code="invalid_api_key")
 
-    def guarded(self, handler):
-        """The route: access and readiness checked, every ApiError answered in OpenAI's shape."""
+    def guarded(self, handler, needs_model=True):
+        """The route: access (and readiness) checked, every ApiError answered in OpenAI's shape."""
         async def route(request: Request):
             try:
                 self.check_access(request)
-                if self.model is None:
+                if needs_model and self.model is None:
                     raise ApiError(503, "the model is loading; try again shortly")
-                return await handler(request)
+                return await handler(request, **request.path_params)
             except ApiError as e:
                 return e.response()
         route.__name__ = handler.__name__
         return route
 
     async def read_body(self, request):
+        """The JSON body, at most max_prompt_tokens * BODY_BYTES_PER_TOKEN bytes (413 past that,
+        before anything is parsed)."""
+        limit, size, chunks = self.max_prompt_tokens * BODY_BYTES_PER_TOKEN, 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > 100 * limit:  # no use reading on: the answer is the same
+                break
+        if size > limit:
+            raise ApiError(413, f"the request body is {size:,} bytes or more; this server takes at most {limit:,} "
+                                f"(--max-prompt-tokens {self.max_prompt_tokens:,})", code="request_too_large")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(b"".join(chunks))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         model_name = body.get("model")
-        if model_name not in (None, self.model_id):
+        if model_name not in (None, "", self.model_id):
             raise ApiError(404, f"the model {model_name!r} does not exist; this server has {self.model_id!r}",
                            "model", "model_not_found")
         return body
 
-    # --- the routes ------------------------------------------------------------------------------
-    async def health(self):
+    # --- OpenAI's routes -------------------------------------------------------------------------
+    async def health(self, request):
         if self.model is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok", "model": self.model_id}
@@ -306,46 +157,100 @@ class Api:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                             "owned_by": "h2o-chat"}]}
 
+    async def model_info(self, request, model_id):
+        listed = (await self.models(request))["data"]
+        found = [m for m in listed if m["id"] == model_id]
+        if not found:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server has {self.model_id!r}",
+                           "model", "model_not_found")
+        return found[0]
+
     async def chat_completions(self, request):
-        body = await self.read_body(request)
-        return await self.run(request, read_chat_request(body, self.cache_defaults))
+        return await self.run(request, read_chat_request(await self.read_body(request), self.cache_defaults))
 
     async def completions(self, request):
-        body = await self.read_body(request)
-        return await self.run(request, read_text_request(body, self.cache_defaults))
+        return await self.run(request, read_text_request(await self.read_body(request), self.cache_defaults))
 
-    async def unknown(self, request: Request, path: str):
-        try:
-            self.check_access(request)
-            raise ApiError(404, f"no route /v1/{path}; this server has /v1/models, /v1/chat/completions and "
-                                "/v1/completions")
-        except ApiError as e:
-            return e.response()
+    async def unknown(self, request, path):
+        raise ApiError(404, f"no route /v1/{path}; this server has /v1/models, /v1/chat/completions and "
+                            "/v1/completions")
+
+    # --- llama.cpp's routes ----------------------------------------------------------------------
+    async def native_completion(self, request):
+        return await self.run(request, read_native_request(await self.read_body(request), self.cache_defaults))
+
+    async def tokenize(self, request):
+        """{"content", "add_special": false, "parse_special": true, "with_pieces": false} -> {"tokens"}."""
+        body = await self.read_body(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise ApiError(400, "content must be text", "content")
+        ids = tokenize(self.tokenizer, content, template=body.get("parse_special", True) is not False)
+        if body.get("add_special") and self.tokenizer.bos_token_id is not None:
+            ids = [self.tokenizer.bos_token_id] + ids
+        if body.get("with_pieces"):
+            return {"tokens": [{"id": i, "piece": self.tokenizer.decode([i])} for i in ids]}
+        return {"tokens": ids}
+
+    async def detokenize(self, request):
+        """{"tokens": [ids]} -> {"content"}."""
+        tokens = (await self.read_body(request)).get("tokens")
+        vocab = len(self.tokenizer)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise ApiError(400, f"tokens must be a list of token ids (0 to {vocab - 1})", "tokens")
+        return {"content": self.tokenizer.decode(tokens)}
+
+    async def props(self, request):
+        """What llama.cpp clients read of the server: the default settings (its names), slots, template."""
+        defaults = Sampling()
+        params = {LLAMACPP_NAMES.get(name, name): getattr(defaults, name)
+                  for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                               "presence_penalty", "frequency_penalty", "max_new_tokens")}
+        params.update(seed=-1, stop=[], n_probs=0, stream=False)
+        return {"default_generation_settings": {"n_ctx": self.max_prompt_tokens, "params": params, "model": self.model_id},
+                "total_slots": self.concurrency, "model_path": self.model_id, "model_alias": self.model_id,
+                "chat_template": getattr(self.tokenizer, "chat_template", None) or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": "h2o-chat"}
 
     # --- running a job ---------------------------------------------------------------------------
+    def check_prompt_size(self, job):
+        """A 400 for a prompt over --max-prompt-tokens, counted as the session will render it,
+        before any of it is computed."""
+        if job.kind == "chat":
+            messages = [Message.of(m) for m in job.messages]
+            n = len(token_ids(render(self.tokenizer, job.system_prompt, messages, add_generation_prompt=not
+                                     job.continue_final, open_reply=job.continue_final)))
+        else:
+            n = len(tokenize(self.tokenizer, job.messages[-1]["content"], template=True))
+        if n > self.max_prompt_tokens:
+            raise ApiError(400, f"the prompt is {n:,} tokens; this server reads at most {self.max_prompt_tokens:,} "
+                                "(--max-prompt-tokens)", "messages", "context_length_exceeded")
+
     def work(self, job, emit):
-        """The worker thread: lend a session, feed the prompt, stream the reply as events
-        ("start", prompt_tokens, cached_tokens), ("text", piece), ("end", finish_reason,
-        completion_tokens) or ("error", ApiError)."""
-        last = ("end", "stop", 0)
+        """The worker thread: check the prompt, lend a session, answer (events: see `answer`), and
+        say ("done",) once the session and the worker are free, so the client's next request finds both."""
         with self.workers:
             session = None
             try:
                 if not job.cancelled.is_set():
-                    session, _ = self.pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
-                    job.session = session
-                    last = reply(session, job, emit)
+                    self.check_prompt_size(job)
+                    session, _ = self.pool.acquire("text" if job.kind != "chat" else "chat", job.cache,
+                                                   job.system_prompt, job.messages)
+                    answer(session, job, emit, self.stop_ids)
+            except ApiError as e:
+                emit(("error", e))
             except GenerationError as e:
-                last = ("error", ApiError(503, str(e)))
+                emit(("error", ApiError(503, str(e))))
             except ValueError as e:
-                last = ("error", ApiError(400, str(e)))
-            except BaseException as e:  # never leave the request waiting on a worker that died
-                emit(("error", ApiError(500, f"{type(e).__name__}: {e}")))
-                raise
+                emit(("error", ApiError(400, str(e))))
+            except Exception as e:  # never leave the request waiting on a worker that died; no paths in answers
+                log.exception("h2o-chat: a request failed")
+                emit(("error", ApiError(500, f"internal error ({type(e).__name__}); the server's log has the rest")))
             finally:
                 if session is not None:
                     self.pool.release(session)
-        emit(last)  # once the session and the worker are free: the client's next request finds both
+        emit(("done",))
 
     async def run(self, request, job):
         loop = asyncio.get_running_loop()
@@ -358,155 +263,174 @@ class Api:
                 job.cancel()
 
         threading.Thread(target=self.work, args=(job, emit), daemon=True, name="h2o-api").start()
-        created, rid = int(time.time()), uuid.uuid4().hex[:24]
-        try:
-            first = await next_event(events, request, job)
-        except asyncio.CancelledError:
-            job.cancel()
-            raise
+        first = await next_event(events, request, job)
+        if first is None or first[0] == "done":  # the client left (or it was cancelled) before a word
+            return Response(status_code=499)
         if first[0] == "error":
             return first[1].response()
-        if first[0] == "end":  # cancelled before it started
-            return JSONResponse({}, status_code=499)
-        _, prompt_tokens, cached = first
-        shape = Shape(job.kind, rid, created, self.model_id)
+        _, prompt_tokens, cached, save_error = first
+        headers = {NOT_SAVED_HEADER: save_error} if save_error else {}
+        reply = Reply(job, Shape(job.kind, uuid.uuid4().hex[:24], int(time.time()), self.model_id, self.tokenizer),
+                      prompt_tokens, cached)
         if not job.stream:
-            return await whole(events, request, job, shape, prompt_tokens, cached)
-        return StreamingResponse(sse(events, job, shape, prompt_tokens, cached), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def stream_flags(body):
-    options = body.get("stream_options") or {}
-    return bool(body.get("stream")), bool(isinstance(options, dict) and options.get("include_usage"))
-
-
-async def whole(events, request, job, shape, prompt_tokens, cached):
-    """A non-streamed answer: the worker's events gathered into one response."""
-    text = []
-    while True:
-        event = await next_event(events, request, job)
-        if event[0] == "text":
-            text.append(event[1])
-        elif event[0] == "error":
-            return event[1].response()
-        else:
-            _, finish, completion_tokens = event
-            return shape.whole("".join(text), finish, usage(prompt_tokens, cached, completion_tokens))
-
-
-async def sse(events, job, shape, prompt_tokens, cached):
-    """A streamed answer: each event as a server-sent event, then [DONE]."""
-    try:
-        if job.kind == "chat":
-            yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
-        while True:
-            event = await events.get()
-            if event[0] == "text":
-                yield shape.sse(shape.chunk(event[1]))
-            elif event[0] == "error":
-                yield shape.sse({"error": json.loads(event[1].response().body)["error"]})
-                break
-            else:
-                _, finish, completion_tokens = event
-                yield shape.sse(shape.chunk(None, finish))
-                if job.include_usage:
-                    yield shape.sse(shape.usage_chunk(usage(prompt_tokens, cached, completion_tokens)))
-                break
-        yield "data: [DONE]\n\n"
-    finally:  # a client that disconnects lands here too (the stream is cancelled): stop its reply
-        job.cancel()
-
-
-def reply(session, job, emit):
-    """Everything the API asks of a ChatSession: take the request's history (the system prompt
-    is the session's own: the pool lends only sessions that have it), stream the reply through
-    StopStrings, emit ("start", prompt_tokens, cached_tokens) at the first text (the prompt has been
-    fed by then: the session feeds each reply token only after its text is out); returns the
-    ("end", finish_reason, completion_tokens) event."""
-    open_reply = job.messages[-1]["role"] == "assistant"
-    history = [dict(m) for m in (job.messages if open_reply else job.messages[:-1])]
-    session.configure(**dict(job.sampling, stop=()))  # stop strings are matched here (StopStrings)
-    session.messages = history
-    before = session.stats["tokens_processed"]
-    stream = session.continue_reply() if open_reply else session.send(job.messages[-1]["content"])
-    started = False
-
-    def start():
-        prompt_tokens = len(session.ledger)
-        emit(("start", prompt_tokens, prompt_tokens - (session.stats["tokens_processed"] - before)))
-        return True
-
-    text = StopStrings(job.sampling["stop"])
-    for piece in stream:
-        started = started or start()
-        text.feed(piece)
-        if shown := text.take():
-            emit(("text", shown))
-        if text.hit or job.cancelled.is_set():
-            session.stop()  # the reply ends after this token
-    started = started or start()
-    if shown := text.take(final=True):  # the reply has ended: what was held back is its own text
-        emit(("text", shown))
-    if text.hit:  # the session's reply ran on into the stop string: it keeps what the client got
-        prefix = job.messages[-1]["content"] if open_reply else ""
-        session.messages = (history[:-1] if open_reply else history + [job.messages[-1]]) + [
-            {"role": "assistant", "content": prefix + text.text, "pinned": False}]
-        session.autosave()
-    new_tokens = session.last_turn.new_tokens
-    stopped = text.hit or new_tokens < session.sampling.max_new_tokens or job.cancelled.is_set()
-    return "end", "stop" if stopped else "length", new_tokens
+            return await reply.whole(events, request, headers)
+        headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(reply.sse(events), media_type="text/event-stream", headers=headers)
 
 
 async def next_event(events, request, job):
-    """The worker's next event; a client that disconnects meanwhile cancels the job."""
+    """The workers' next event; None when the client disconnects meanwhile (the job is cancelled)."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 job.cancel()
-                raise asyncio.CancelledError from None
-
-
-def usage(prompt_tokens, cached, completion_tokens):
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+                return None
 
 
 @dataclass
-class Shape:
-    """OpenAI's response objects for one request (chat.completion or text_completion)."""
+class Reply:
+    """The workers' events for one request, gathered into its answer (whole or streamed)."""
 
-    kind: str
-    rid: str
-    created: int
-    model: str
+    job: object
+    shape: Shape
+    prompt_tokens: int
+    cached: int
 
-    def _head(self, obj):
-        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        return {"id": prefix + self.rid, "object": obj, "created": self.created, "model": self.model}
+    def usage(self, choices):
+        return usage(self.prompt_tokens, self.cached, sum(c["tokens"] for c in choices))
 
-    def whole(self, text, finish, use):
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": use}
+    def new_choices(self):
+        logprobs = self.job.top_logprobs is not None
+        return [{"text": "", "finish": None, "tokens": 0, "stop_word": None, "logprobs": [] if logprobs else None}
+                for _ in range(self.job.n)]
 
-    def chunk(self, delta, finish=None):
-        if self.kind == "chat":
-            content = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
-            choice = {"index": 0, "delta": content, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice]}
+    async def whole(self, events, request, headers):
+        choices = self.new_choices()
+        while True:
+            event = await next_event(events, request, self.job)
+            if event is None:
+                return Response(status_code=499)
+            if event[0] == "text":
+                _, i, piece, entries = event
+                choices[i]["text"] += piece
+                if entries:
+                    choices[i]["logprobs"] += entries
+            elif event[0] == "end":
+                _, i, finish, tokens, stop_word = event
+                choices[i].update(finish=finish, tokens=tokens, stop_word=stop_word)
+            elif event[0] == "error":
+                return event[1].response()
+            elif event[0] == "done":
+                return JSONResponse(self.shape.whole(choices, self.usage(choices)), headers=headers)
 
-    def usage_chunk(self, use):
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": use}
+    async def sse(self, events):
+        """Each event as a server-sent event; OpenAI's end with [DONE], llama.cpp's with stop: true."""
+        shape, choices = self.shape, self.new_choices()
+        try:
+            for chunk in shape.opening(self.job.n):
+                yield sse(chunk)
+            while True:
+                event = await events.get()
+                if event[0] == "text":
+                    _, i, piece, entries = event
+                    yield sse(shape.chunk(i, piece, entries=entries))
+                elif event[0] == "end":
+                    _, i, finish, tokens, stop_word = event
+                    choices[i].update(finish=finish, tokens=tokens, stop_word=stop_word)
+                    if shape.kind != "native":
+                        yield sse(shape.chunk(i, None, finish))
+                elif event[0] == "error":
+                    yield sse(event[1].body() if shape.kind == "native" else {"error": event[1].body()["error"]})
+                    break
+                elif event[0] == "done":
+                    if shape.kind == "native":
+                        yield sse(shape.native_end(choices[0], self.usage(choices)))
+                        break
+                    if self.job.include_usage:
+                        yield sse(shape.usage_chunk(self.usage(choices)))
+                    yield "data: [DONE]\n\n"
+                    break
+        finally:  # a client that disconnects lands here too (the stream is cancelled): stop its reply
+            self.job.cancel()
 
-    @staticmethod
-    def sse(obj):
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+def answer(session, job, emit, stop_ids=()):
+    """Every choice of `job`: choice 0 in `session`, the others at the same time in copies of it
+    made before it changes, so their decode steps are rows of one batch (when the app batches).
+    Events: ("start", prompt_tokens, cached_tokens, save_error) once, before any other; then per
+    choice ("text", i, piece, logprob entries) and ("end", i, finish_reason, completion_tokens,
+    stop_word)."""
+    copies = [session.copy() for _ in range(job.n - 1)]
+    job.sessions += [session, *copies]
+    if job.cancelled.is_set():
+        return
+    started = threading.Event()  # choice 0 has said "start": the others may speak
+    threads = [threading.Thread(target=reply_in_thread, args=(s, job, emit, i + 1, started, stop_ids), daemon=True,
+                                name="h2o-api-choice") for i, s in enumerate(copies)]
+    for t in threads:
+        t.start()
+    try:
+        reply(session, job, emit, 0, started, stop_ids)
+    except BaseException:
+        job.cancel()  # the answer is the error: the other choices stop too
+        raise
+    finally:
+        started.set()
+        for t in threads:
+            t.join()
+
+
+def reply_in_thread(session, job, emit, index, started, stop_ids):
+    try:
+        reply(session, job, emit, index, started, stop_ids)
+    except Exception as e:
+        log.exception("h2o-chat: choice %d failed", index)
+        emit(("error", ApiError(503 if isinstance(e, GenerationError) else 500, str(e) if isinstance(
+            e, ValueError) else f"internal error ({type(e).__name__})")))
+
+
+def reply(session, job, emit, index, started, stop_ids=()):
+    """One choice: take the request's history (the system prompt is the session's own: the pool
+    lends only sessions that have it) and stream the reply to its last message, or write on in a
+    final assistant message when the client asked (job.continue_final)."""
+    last = job.messages[-1]
+    history = job.messages if job.continue_final else job.messages[:-1]
+    sampling = dict(job.sampling)
+    if index and sampling["seed"] is not None:
+        sampling["seed"] += index  # each choice its own draw, all of them reproducible
+    if job.ignore_eos:
+        sampling["logit_bias"] = tuple(sorted({**dict(sampling["logit_bias"]), **{i: -100.0 for i in stop_ids}}.items()))
+    session.configure(**sampling)  # stop strings too: the session cuts at them, and unfeeds what it cut
+    session.top_logprobs = job.top_logprobs
+    session.messages = [dict(m) for m in history]
+    stream = session.continue_reply() if job.continue_final else session.send(last["content"], role=last["role"])
+    if job.cancelled.is_set():  # cancelled while the session was being lent: send() has just cleared its stop
+        session.stop()
+    sent = 0  # logprob entries sent
+
+    def start():
+        if index > 0:
+            started.wait()
+        elif not started.is_set():
+            stats = session.last_turn
+            emit(("start", stats.prompt_tokens, stats.prompt_tokens - stats.prompt_computed, session.save_error))
+            started.set()
+
+    def entries(upto):
+        nonlocal sent
+        if job.top_logprobs is None:
+            return None
+        out, sent = session.token_logprobs[sent:upto], max(sent, upto)
+        return out
+
+    for piece in stream:
+        start()
+        emit(("text", index, piece, entries(session.tokens_shown())))
+    start()
+    stats = session.last_turn
+    rest = entries(stats.kept_tokens)
+    if rest:
+        emit(("text", index, "", rest))
+    emit(("end", index, "length" if stats.finish == "length" else "stop", stats.kept_tokens, stats.stop_string))

@@ -2,8 +2,11 @@
 serve the chat UI with the OpenAI-compatible /v1 API beside it. `h2o-chat --help` for the flags."""
 
 import argparse
+import hmac
+import ipaddress
 import os
 import sys
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -30,6 +33,7 @@ def add_setting_flag(parser, setting, *flags, note=None, **overrides):
 
 def parse_args(argv=None):
     from ..cache.config import APP_FIELDS, CacheConfig
+    from .api import MAX_PROMPT_TOKENS
     from .pool import MAX_IDLE_KV_MIB
 
     p = argparse.ArgumentParser(description="A local chat whose KV cache is managed by H2O (Heavy-Hitter Oracle).")
@@ -37,7 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", help="also make a public Gradio share link (off by default)")
-    p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login for the UI and its API")
+    p.add_argument("--auth", default=None, metavar="USER:PASS",
+                   help="require this login for the page (default: with --api-key, the key as the password)")
     for setting in fields(CacheConfig):
         if setting.name in APP_FIELDS:
             add_setting_flag(p, setting)
@@ -52,11 +57,50 @@ def parse_args(argv=None):
                    help="replies generated at once across all tabs and API clients, decoded together in one batch "
                         f"(default {DEFAULT_CONCURRENCY}; 1 generates one reply at a time, without a batch)")
     p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on the /v1 API (default: $H2O_CHAT_API_KEY; with "
-                        "--auth and no key the API refuses every request)")
+                   help="require 'Authorization: Bearer KEY' on the API (/v1 and llama.cpp's routes), and the key as "
+                        "the page's password unless --auth is given (default: $H2O_CHAT_API_KEY; with --auth and no "
+                        "key the API refuses every request)")
     p.add_argument("--api-kv-mib", type=float, default=MAX_IDLE_KV_MIB,
                    help=f"KV memory of the API's idle conversations (default {MAX_IDLE_KV_MIB})")
+    p.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
+                   help="an API request whose prompt is longer is refused before any of it is computed "
+                        f"(default {MAX_PROMPT_TOKENS:,}: about a minute of prefill on a 2-core CPU)")
     return p.parse_args(argv)
+
+
+def is_loopback(host):
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_exposure(args):
+    """A server others can reach (a non-loopback --host, --share) must ask for a credential."""
+    if (args.share or not is_loopback(args.host)) and args.auth is None and not args.api_key:
+        reach = "--share makes a public link" if args.share else f"--host {args.host} listens beyond this machine"
+        raise ValueError(f"{reach}, and nothing would ask for a credential: add --api-key KEY (or "
+                         "H2O_CHAT_API_KEY) and/or --auth user:pass")
+
+
+def page_login(auth, api_key):
+    """What guards the page and /gradio_api: --auth's login, else the API key as the password (any
+    user name), else nothing (a server on this machine only)."""
+    if auth is not None or not api_key:
+        return auth
+    return lambda user, password: hmac.compare_digest(password.encode(), api_key.encode())
+
+
+def check_data_dir(path):
+    """The data folder exists (or can be made) and can be written: else one line, before anything loads."""
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"--data-dir {path} cannot be written ({e.strerror or type(e).__name__}); give a folder "
+                         "h2o-chat may write, e.g. --data-dir ~/h2o-chat") from None
 
 
 def main(argv=None):
@@ -78,6 +122,10 @@ def main(argv=None):
             auth = (user, password)
         if args.concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
+        if args.max_prompt_tokens < 1:
+            raise ValueError("--max-prompt-tokens must be at least 1")
+        check_exposure(args)
+        check_data_dir(args.data_dir)
         quantization = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
         model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization,
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
@@ -89,11 +137,14 @@ def main(argv=None):
     demo.queue(default_concurrency_limit=args.concurrency)
     from .api import create_router
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
-                        closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher)
+                        closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher,
+                        max_prompt_tokens=args.max_prompt_tokens)
+    login = page_login(auth, args.api_key)
+    message = "Any user name, and the server's API key as the password." if callable(login) else None
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
-                show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # /v1 beside the UI
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=login, auth_message=message,
+                css=CSS, head=HEAD, show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # the API beside
 
 
 if __name__ == "__main__":

@@ -30,11 +30,19 @@ class TextSession(ChatSession):
     """A session for plain text completion: its one message is the prompt, fed exactly as
     written (special tokens in it are special tokens: it is the client's own template), and the
     reply continues it. Everything else (reuse, snapshots, sampling, stop strings) is ChatSession's.
-    Never saved: a raw prompt is no conversation the UI could show."""
+    Never saved: a raw prompt is no conversation the UI could show. The prompt re-renders as the
+    tokens it was fed as (prompt and reply), the rest tokenized: see template.KnownTokens."""
+
+    _template_text = True
 
     def _segments(self, add_generation_prompt=False, open_reply=True):
         text = "".join(m.content for m in self.messages)
-        return [Segment(tokenize(self.tokenizer, text, template=True), "assistant", 0)] if text else []
+        if not text:
+            return []
+        return [Segment(self._known.ids(text) or tokenize(self.tokenizer, text, template=True), "assistant", 0)]
+
+    def _remember_reply(self, text, ids):
+        self._known.remember("".join(m.content for m in self.messages), self.timeline.fed)
 
 
 def shared_tokens(session, system_prompt, messages):
