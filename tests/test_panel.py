@@ -175,3 +175,18 @@ def test_the_stats_say_when_a_reply_is_still_streaming(session):
     assert "waiting for the first token" in draw.stats_markdown(session.stats, ret, live=(None, None))
     assert "· streaming" in draw.stats_markdown(session.stats, ret, live=(0.2, 12.5))
     assert "streaming" not in draw.stats_markdown(session.stats, ret)  # the finished turn
+
+
+def test_the_stats_call_a_pin_never_evicted_only_when_every_head_holds_it(tiny_chat):
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=80, n_sink=2, n_recent=16, score="mean"),
+                    temperature=0, max_new_tokens=20)
+    for text in TURNS:
+        "".join(s.send(text))
+    s.pin(0)
+    stats = draw.panel(s, maps=False)["stats"]
+    assert stats.endswith(" · pinned (never evicted): message 1")
+    s.messages[2].pinned = True  # pinned behind the session's back: no replay brought its evicted tokens back
+    s.cache.set_pins(s._pins(s._segments()))
+    stats = draw.panel(s, maps=False)["stats"]
+    assert " · pinned (never evicted): message 1 · pinned, not whole: message 3 (" in stats

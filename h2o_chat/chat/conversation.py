@@ -11,7 +11,7 @@ there. `CHOICES` are the values of the cache settings that are a choice.
 `record()` / `Conversation.from_record()` are the JSON round trip (the file layout, format 2):
 
     {"version": 2, "id", "title", "created", "updated", "revision", "forked_from",
-     "system_prompt", "cache": {CacheConfig fields}, "sampling": {Sampling fields},
+     "system_prompt", "system_prompt_pinned", "cache": {CacheConfig fields}, "sampling": {Sampling fields},
      "messages": [{"role", "content", "pinned"}]}
 
 Format 1 (before revisions) is the same without title/created/revision/forked_from and loads
@@ -88,9 +88,11 @@ class Settings:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sampling: Sampling = field(default_factory=Sampling)
     system_prompt: str | None = None
+    system_prompt_pinned: bool = False  # never evicted: the system prompt, given or the template's own
 
     def record(self):
-        return {"system_prompt": self.system_prompt, "cache": asdict(self.cache), "sampling": asdict(self.sampling)}
+        return {"system_prompt": self.system_prompt, "system_prompt_pinned": self.system_prompt_pinned,
+                "cache": asdict(self.cache), "sampling": asdict(self.sampling)}
 
     @classmethod
     def from_record(cls, record):
@@ -103,7 +105,8 @@ class Settings:
         system_prompt = record.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError("the system prompt is not text")
-        return cls(cache_config(cache), sampling(saved_sampling), system_prompt or None)
+        return cls(cache_config(cache), sampling(saved_sampling), system_prompt or None,
+                   record.get("system_prompt_pinned") is True)
 
 
 @dataclass

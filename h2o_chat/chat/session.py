@@ -37,11 +37,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..cache.config import CacheConfig
+from ..cache.h2o import PinRefused, pinned_slots
 from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
 from .sampler import Sampler, stop_token_ids
-from .template import render, turn_ranges
+from .template import SYSTEM, render, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
 
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
@@ -399,19 +400,51 @@ class ChatSession:
             self.autosave()
 
     def pin(self, turn: int, pinned: bool = True) -> None:
-        """Never evict this message's tokens (they count against the budget); pinned=False
-        lets them compete again. Refused with ValueError when the budget has no room."""
+        """Never evict the words of message `turn` (they count against the budget); turn -1
+        (template.SYSTEM) is the system prompt, the one given or the template's own. pinned=False
+        lets them compete again; asking for what is already so changes nothing.
+
+        A pin is whole before this returns: every layer and KV head holds every pinned token. A
+        message pinned after some of its tokens were evicted is fed again from before them (the
+        latest snapshot there, else a replay, calling on_progress). Refused with ValueError, saying
+        what would make room, when the budget has none."""
         self._check_idle()
-        message = self.messages[self._check_turn(turn)]
+        if turn != SYSTEM or isinstance(turn, bool):
+            self._check_turn(turn)
         if not isinstance(pinned, bool):
             raise ValueError(f"pinned must be True or False, got {pinned!r}")
-        old, message.pinned = message.pinned, pinned
+        if self._is_pinned(turn) == pinned:
+            return
+        self._set_pinned(turn, pinned)
         try:
-            self.cache.set_pins(self._pins(self._segments()))
+            self._sync()
+        except PinRefused as e:
+            self._set_pinned(turn, not pinned)
+            raise ValueError(self._no_room(turn, e.limits)) from None
         except ValueError:
-            message.pinned = old
+            self._set_pinned(turn, not pinned)
             raise
         self.autosave()
+
+    def _is_pinned(self, turn):
+        return self.settings.system_prompt_pinned if turn == SYSTEM else self.messages[turn].pinned
+
+    def _set_pinned(self, turn, pinned):
+        if turn == SYSTEM:
+            self.settings.system_prompt_pinned = pinned
+        else:
+            self.messages[turn].pinned = pinned
+
+    def _no_room(self, turn, lim):
+        """Why `turn` cannot be pinned, in numbers a user can act on."""
+        segments = self._segments()
+        others = pinned_slots(self._pins(segments, leave_out=turn), lim.n_sink)
+        size = pinned_slots(turn_ranges(segments, {turn}), lim.n_sink)
+        free = lim.budget - lim.n_recent - lim.n_sink - others
+        what = "the system prompt" if turn == SYSTEM else "this message"
+        return (f"{what} is {size} tokens; {lim.n_recent} recent + {lim.n_sink} sinks + {others} pinned leave "
+                f"{max(free, 0)} free of {lim.budget}: raise the budget or lower the recent window"
+                + (", or unpin another message" if others else ""))
 
     def configure(self, cache: CacheConfig | dict | None = None, system_prompt: str | None = ...,
                   **sampling_fields) -> None:
@@ -435,7 +468,8 @@ class ChatSession:
         self._check_idle()
         new = Settings(cache_config(cache) if cache is not None else self.cache_config,
                        sampling(sampling_fields, base=self.sampling),
-                       check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt)
+                       check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt,
+                       self.settings.system_prompt_pinned)
         old, old_timeline = self.conversation.settings, self.timeline
         self.conversation.settings = new
         try:
@@ -509,9 +543,10 @@ class ChatSession:
     def _segments(self, add_generation_prompt=False, open_reply=True):
         return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply)
 
-
-    def _pins(self, segments):
-        return turn_ranges(segments, {i for i, m in enumerate(self.messages) if m.pinned})
+    def _pins(self, segments, leave_out=None):
+        turns = {i for i, m in enumerate(self.messages) if m.pinned} | ({SYSTEM} if self.settings.system_prompt_pinned
+                                                                        else set())
+        return turn_ranges(segments, turns - {leave_out})
 
     def _sync(self, add_generation_prompt=False, open_reply=True):
         segments = self._segments(add_generation_prompt, open_reply and not add_generation_prompt)

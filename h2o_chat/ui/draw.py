@@ -247,6 +247,26 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
             f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
 
 
+def pins_note(session, retention):
+    """What the stats say of the pins (the Chatbot cannot mark a user message): " · pinned (never
+    evicted): message 1, the system prompt". It is read off the cache, never assumed: a pinned
+    message that some layer or KV head lacks a token of is named apart, with how many are missing."""
+    kept, n = retention["kept"], retention["kept"].shape[2]
+    whole, broken = [], []
+    for start, end in session.cache.pins:
+        if start >= n:
+            continue  # not fed yet
+        system = start == 0 and session.settings.system_prompt_pinned
+        name = "the system prompt" if system else f"message {session.ledger.turns[start] + 1}"
+        missing = int((~kept[:, :, start : min(end, n)]).sum())
+        (broken if missing else whole).append((name, missing))
+    note = " · pinned (never evicted): " + ", ".join(name for name, _ in whole) if whole else ""
+    if broken:
+        note += " · pinned, not whole: " + ", ".join(f"{name} ({missing:,} layer/head/token entries missing)"
+                                                     for name, missing in broken)
+    return note
+
+
 def panel(session, layer=None, head=None, live=None, maps=True):
     """Everything the panel shows for a session, drawn as strings and plain rows (no tensors).
     The charts plot the session's points (it starts them again after a replay) and now.
@@ -256,7 +276,7 @@ def panel(session, layer=None, head=None, live=None, maps=True):
     points = session.turn_stats + [session.stats]  # the live point moves as a reply streams
     return {"token_map": token_map(session.ledger, retention, layer, head) if maps else "",
             "retention_map": retention_map_html(retention, layer) if maps else "",
-            "stats": stats_markdown(session.stats, retention, layer, head, live),
+            "stats": stats_markdown(session.stats, retention, layer, head, live) + pins_note(session, retention),
             "memory": memory_rows(points),
             "heavy": top_heavy(session.ledger, retention, layer, head),
             "legend": legend_html(session.cache_config.policy)}

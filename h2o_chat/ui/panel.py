@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..cache.config import CacheConfig
 from . import draw
-from .state import pinned_turns, warn
+from .state import warn
 
 CHART_COLUMNS = ["tokens seen", "cache", "KV MiB", "slots per head"]
 COLOR_MAP = {draw.SERIES[0]: "#0072B2", draw.SERIES[1]: "#E69F00"}
@@ -107,9 +107,6 @@ def update(p, session, state, live=None, maps=True):
         return {p.legend: draw.legend_html(policy), **maps_update, p.stats: waiting, p.memory: _chart([], "KV MiB"),
                 p.slots: _chart([], "slots per head"), p.heavy: pd.DataFrame()}
     drawn = draw.panel(session, state["layer"], state["head"], live=live, maps=maps)
-    pins = pinned_turns(session)
-    if pins:  # the Chatbot cannot mark a user message, so the stats name the pinned ones
-        drawn["stats"] += " · pinned (never evicted): " + ", ".join(f"message {i + 1}" for i in pins)
     maps_update = {p.token_map: drawn["token_map"], p.retention_map: drawn["retention_map"]} if maps else {}
     return {p.legend: drawn["legend"], **maps_update, p.stats: drawn["stats"],
             p.memory: _chart(drawn["memory"], "KV MiB"), p.slots: _chart(drawn["memory"], "slots per head"),

@@ -110,10 +110,6 @@ def chat_view(session):
     return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in session.history]
 
 
-def pinned_turns(session):
-    return [i for i, m in enumerate(session.messages) if m.pinned] if session else []
-
-
 def tell(session):
     """Show what the session has to say (a save that became a fork: another tab saved first)."""
     for notice in session.take_notices() if session is not None else ():
