@@ -2,6 +2,7 @@
 127.0.0.1, one session per client. Sampling is greedy or seeded; every wait has a deadline."""
 
 import json
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -180,3 +181,27 @@ def test_the_saved_list_names_each_conversation_newest_first(app_url):
     labels = [label for label, _ in saved]
     assert labels[0].startswith("A second one · ") and labels[0].endswith(" · 2 messages")
     assert any(label.startswith("The first conversation starts here with many words · ") for label in labels[1:])
+
+
+def kept_indices(token_map, status=r"(?!evicted)[a-z]+"):
+    return {int(i) for i in re.findall(rf'class="tok st-{status}" data-i="(\d+)"', token_map)}
+
+
+def test_a_pin_set_after_eviction_is_whole_in_every_head_through_the_page(tmp_path):
+    # issue 25, 1, through the page: every (layer, KV head) view shows every pinned token kept
+    with live_app(tmp_path, cache=dict(score="mean"), temperature=0, max_new_tokens=24) as (url, _):
+        client = Client(url, verbose=False)
+        for text in ("Ada keeps the lighthouse.", "Hello there!", "Tell me a story about a lighthouse.", "Shorter."):
+            send(client, text)
+        views = [(layer, head) for layer in ("0", "1") for head in ("0", "1")]
+        before = {view: call(client, *view, api_name="/select")[1] for view in views}
+        call(client, "all", "all", api_name="/select")
+        out = shown(call(client, 0, True, api_name="/pin"))
+        pinned = kept_indices(out["token_map"], "pinned")
+        assert len(pinned) == len("Ada keeps the lighthouse.")  # the message's words, one token a character
+        assert any(not pinned <= kept_indices(before[view]) for view in views)  # some head had evicted some
+        assert out["stats"].endswith("pinned (never evicted): message 1")
+        for view in views:
+            token_map, stats = (lambda o: (o[1], o[3]))(call(client, *view, api_name="/select"))
+            assert pinned <= kept_indices(token_map, "pinned"), view
+            assert "never evicted): message 1" in stats

@@ -7,12 +7,13 @@ round trip, so nothing typed after Enter is lost), then `reply` streams on the s
 never touches the box again, except to put back a message the session refuses (with a warning).
 """
 
+import threading
 import time
 from dataclasses import dataclass
 
 import gradio as gr
 
-from .state import CHAT_EVERY_S, PANEL_EVERY_S, warn
+from .state import CHAT_EVERY_S, PANEL_EVERY_S, replaying, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
@@ -56,6 +57,30 @@ def message_text(value):
     if isinstance(value, list):
         value = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in value)
     return value
+
+
+class OnePerClick:
+    """Gradio 6.31's Chatbot sends the like event of an extra feedback option (Pin / Unpin) twice
+    per click: the option's click handler calls `handle_action` inside its toggle and again right
+    after it (the frontend's Index-*.js: `d(C(n)), t.handle_action(...)`), and the event's trigger
+    mode cannot stop the second because the first is not yet registered as pending. Both copies
+    ran at once on the tab's conversation (a "changed elsewhere" warning, a "(copy)" fork, every
+    warning twice). The copy is the same tab, message and choice as the event just before it,
+    within milliseconds: `first` lets one through."""
+
+    WINDOW_S = 1.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last = {}  # tab (its session hash) -> (what it asked, when)
+
+    def first(self, tab, what):
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(tab)
+            self._last = {t: v for t, v in self._last.items() if now - v[1] < self.WINDOW_S}
+            self._last[tab] = (what, now)
+            return last is None or last[0] != what or now - last[1] >= self.WINDOW_S
 
 
 def pin_wanted(liked):
@@ -164,8 +189,13 @@ def edit(tab, session, state, turn, text):
     return act(tab, session, state, lambda s: s.edit(_turn(turn), text))
 
 
-def pin(tab, session, state, turn, pinned):
-    return act(tab, session, state, lambda s: s.pin(_turn(turn), pinned=pin_wanted(pinned)))
+def pin(tab, session, state, turn, pinned, progress=None):
+    """A message pinned after some of its tokens were evicted is fed again before the pin is set:
+    `progress` shows that replay."""
+    def pin_it(s):
+        with replaying(s, progress, "Bringing the pinned message back into every head"):
+            s.pin(_turn(turn), pinned=pin_wanted(pinned))
+    return act(tab, session, state, pin_it)
 
 
 def _turn(turn):
@@ -212,8 +242,12 @@ def wire(app, tab, c, session, conversation_id, state):
     def edited(session, state, data: gr.EditData):
         return edit(tab, session, state, data.index, data.value)
 
-    def liked(session, state, data: gr.LikeData):
-        return pin(tab, session, state, data.index, data.liked)
+    one_per_click = OnePerClick()
+
+    def liked(session, state, data: gr.LikeData, request: gr.Request, progress=gr.Progress()):
+        if not one_per_click.first(request.session_hash, (str(data.index), str(data.liked))):
+            return {}  # the same click's second copy (see OnePerClick)
+        return pin(tab, session, state, data.index, data.liked, progress)
 
     streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")
     tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))

@@ -15,7 +15,7 @@ from ..chat.conversation import cache_config
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
-from .state import BROWSER_KEY, App, chat_view, new_view, tell, warn
+from .state import BROWSER_KEY, App, chat_view, new_view, replaying, tell, warn
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
@@ -163,13 +163,11 @@ def wire_conversation(app, tab, session, conversation_id, state):
 
     def apply_cache(current, state, progress=gr.Progress(), *typed):  # Gradio finds progress among the positionals
         current = current or app.new_session()
-        current.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
         try:
-            current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
+            with replaying(current, progress):
+                current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
         except ValueError as e:
             warn(e)
-        finally:
-            current.on_progress = None
         return tab.everything(current, state)
 
     def apply_sampling(current, state, system_prompt, *typed):
@@ -207,8 +205,8 @@ def wire_api(app, tab, session, state):
     def edit(session, state, turn, text):
         return ui_chat.edit(tab, session, state, turn, text)
 
-    def pin(session, state, turn, pinned):
-        return ui_chat.pin(tab, session, state, turn, pinned)
+    def pin(session, state, turn, pinned, progress=gr.Progress()):
+        return ui_chat.pin(tab, session, state, turn, pinned, progress)
 
     send_btn.click(send, inputs=[text_box, session, state], outputs=[text_box, *tab.streamed_outputs()], **limit,
                    api_name="send")

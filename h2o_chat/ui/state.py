@@ -8,6 +8,7 @@ A tab holds one ChatSession (gr.State) and the browser remembers its conversatio
 import os
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def summary_label(summary):
 def new_view():
     """The panel's per-tab view: layer and head (None = all)."""
     return {"layer": None, "head": None}
+
+
+@contextmanager
+def replaying(session, progress, what="Replaying the chat"):
+    """While a change replays the chat into the cache, `progress` (a gr.Progress, or None) shows it."""
+    if session is None or progress is None:
+        yield
+        return
+    session.on_progress = lambda done, total: progress(done / max(total, 1), desc=what)
+    try:
+        yield
+    finally:
+        session.on_progress = None
 
 
 def warn(error):
