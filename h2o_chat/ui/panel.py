@@ -64,7 +64,7 @@ def build(n_layers, n_heads, policy):
     retention_map = gr.HTML(elem_id="retention-map")
     # the value starts with both series (at the origin): the legend's entries are made from the
     # first value's series, and an empty first value left the legend with its title alone
-    start = pd.DataFrame(draw.memory_rows([]) or ORIGIN, columns=CHART_COLUMNS)
+    start = pd.DataFrame(ORIGIN, columns=CHART_COLUMNS)
     chart = dict(value=start, x="tokens seen", color="cache", color_map=COLOR_MAP, colors_in_legend=list(draw.SERIES),
                  x_title="tokens seen", height=260, color_title="", x_label_angle=0, tooltip="all")
     # titles inside the plot, no block label: a label pushes the plot down and clips its legend
