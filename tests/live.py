@@ -56,12 +56,13 @@ def texts(chat):
     return [(m["role"], text_of(m)) for m in chat]
 
 
-def warnings_of(job):
-    """The gr.Warning toasts a finished call showed, in order."""
+def warnings_of(job, level="warning"):
+    """The gr.Warning toasts (level "info": gr.Info) a finished call showed, in order. Reading
+    them uses them up: a job's toasts are read once."""
     found, updates = [], job.communicator.updates
     while not updates.empty():
         update = updates.get_nowait()
-        if getattr(update, "log", None) and update.log[1] == "warning":
+        if getattr(update, "log", None) and update.log[1] == level:
             found.append(update.log[0])
     return found
 
@@ -88,7 +89,7 @@ def save_tiny_chat(folder, never_ends=False):
 
 STREAMED = ("conversation_id", "chat", "saved", "legend", "token_map", "retention_map", "stats", "memory", "slots",
             "heavy")
-FIELDS = ("system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
+FIELDS = ("system_prompt", "pin_system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
           "score", "positions")
 
 
@@ -100,6 +101,11 @@ def shown(result):
         FIELDS if len(result) == len(STREAMED) + len(FIELDS) else ())
     assert len(names) == len(result), (len(names), len(result))
     return dict(zip(names, result))
+
+
+def left_as_typed(value):
+    """A route's output the app did not update: the page keeps what the user typed there."""
+    return value == {"__type__": "update"}
 
 
 def deadline(seconds):

@@ -12,7 +12,17 @@ from gradio_client import Client
 
 from h2o_chat.chat import store
 from tests.conftest import make_tiny_chat
-from tests.live import CALL_DEADLINE_S, call, deadline, live_app, never_ending, shown, text_of
+from tests.live import (
+    CALL_DEADLINE_S,
+    call,
+    deadline,
+    left_as_typed,
+    live_app,
+    never_ending,
+    shown,
+    text_of,
+    warnings_of,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -99,14 +109,28 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
 def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     client = Client(app_url, verbose=False)
     send(client, "Hello there")
-    out = shown(call(client, "sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    job = client.submit("sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache")
+    out = shown(job.result(timeout=CALL_DEADLINE_S))
+    (applied,) = warnings_of(job, "info")  # Apply says what it did
+    assert applied.startswith("Cache applied: sink, budget 24, recent window 8, 4 sinks") and "replayed" in applied
     assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Hello there"]  # the chat survives
     assert "**24** slots per head" in out["stats"] and (out["policy"], out["budget"], out["n_recent"]) == ("sink", 24, 8)
     assert "H2O keeps" not in out["legend"] and "StreamingLLM" in out["legend"]  # the text fits the policy
-    assert len(out["memory"]["value"]["data"]) == 4  # the chart starts again: the origin and now, two series
-    bad = shown(call(client, "h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    n = int(re.search(r"\*\*([\d,]+)\*\* tokens seen", out["stats"]).group(1).replace(",", ""))
+    this = [(row[0], row[3]) for row in out["memory"]["value"]["data"] if row[1] == "this cache"]
+    assert this == [(0, 0), (24, 24), (n, 24)]  # the whole history redrawn for the new cache: the knee at 24
+    job = client.submit("h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache")
+    bad = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
-    assert (bad["policy"], bad["budget"]) == ("sink", 24)  # ... and the fields show what the chat uses
+    assert left_as_typed(bad["policy"]) and left_as_typed(bad["budget"])  # ... and what was typed stays typed
+    assert warnings_of(job) == ["H2OCache: budget must be positive, got 0"]  # said once
+    job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", api_name="/apply_cache")
+    huge = shown(job.result(timeout=CALL_DEADLINE_S))  # issue 25, 2: accepted, then "can't allocate ..." for good
+    (warning,) = warnings_of(job)
+    assert "a budget of 1,000,000,000 slots needs" in warning and "the budget can be at most" in warning
+    assert "**24** slots per head" in huge["stats"] and left_as_typed(huge["budget"])
+    assert [text_of(m) for m in send(client, "Still here?")["chat"] if m["role"] == "user"] == ["Hello there",
+                                                                                                "Still here?"]
 
 
 def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(tmp_path):

@@ -41,6 +41,7 @@ from ..cache.h2o import PinRefused, pinned_slots
 from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
+from .limits import Limits
 from .sampler import Sampler, stop_token_ids
 from .template import SYSTEM, render, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
@@ -141,18 +142,25 @@ class ChatSession:
                  data_dir: str | os.PathLike | None = None, session_id: str | None = None,
                  conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
                  batcher=None, **sampling_fields):
+        limits = Limits.of(model)
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
+            limits.check(settings)
             conversation = Conversation(settings=settings)
             if session_id is not None:
                 conversation.id = store.check_id(session_id)
         elif cache is not None or system_prompt is not None or session_id is not None or sampling_fields:
             raise ValueError("give either a conversation or new settings, not both")
+        else:  # a saved one opens whatever it asks: what this machine cannot run becomes the nearest it can
+            settings, changes = limits.nearest(conversation.settings)
+            conversation.use_settings(settings, changes)
         self.model, self.tokenizer, self.data_dir = model, tokenizer, data_dir
         self.batcher = batcher  # batch.Batcher shared with other sessions, or None: the model runs here
         self.conversation = conversation
         self.on_progress = on_progress  # callable(done, total) while the conversation is replayed
-        self.notices = []  # sentences for the user (a save that became a fork); take_notices() drains them
+        # sentences for the user (settings that could not be used as saved, a save that became a
+        # fork); take_notices() drains them
+        self.notices, conversation.notices = conversation.notices, []
         self.last_turn = None  # no reply since the session was made (or opened): no timing to show
         self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
         self._stop = threading.Event()
@@ -470,6 +478,7 @@ class ChatSession:
                        sampling(sampling_fields, base=self.sampling),
                        check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt,
                        self.settings.system_prompt_pinned)
+        Limits.of(self.model).check(new)  # what this machine cannot run is refused before anything is made
         old, old_timeline = self.conversation.settings, self.timeline
         self.conversation.settings = new
         try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import gradio as gr
 
 from ..chat.conversation import cache_config
+from ..chat.template import SYSTEM
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
@@ -167,7 +168,8 @@ def wire_conversation(app, tab, session, conversation_id, state):
             with replaying(current, progress):
                 current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
         except ValueError as e:
-            warn(e)
+            return refused(e, current, state)
+        gr.Info(ui_settings.applied_cache(current))
         return tab.everything(current, state)
 
     def apply_sampling(current, state, system_prompt, *typed):
@@ -175,8 +177,14 @@ def wire_conversation(app, tab, session, conversation_id, state):
         try:
             current.configure(**ui_settings.sampling_settings(current, system_prompt, dict(zip(s.sampling, typed))))
         except ValueError as e:
-            warn(e)
+            return refused(e, current, state)
+        gr.Info(ui_settings.applied_sampling(current))
         return tab.everything(current, state)
+
+    def refused(error, current, state):
+        """An Apply refused: the sentence, and the fields left as typed (so nothing typed is lost)."""
+        warn(error)
+        return tab.streamed(current, state)
 
     tab.charts_after(c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit,
                                      api_name="new_chat"))
@@ -186,6 +194,20 @@ def wire_conversation(app, tab, session, conversation_id, state):
                                        **limit, api_name="apply_cache"))
     tab.charts_after(s.sampling_btn.click(apply_sampling, inputs=[session, state, s.system_prompt, *s.sampling.values()],
                                           outputs=everything, **limit, api_name="sampling"))
+
+    def pin_system_prompt(current, state, pinned, progress=gr.Progress()):
+        current = current or app.new_session()
+        try:
+            with replaying(current, progress, "Bringing the system prompt back into every head"):
+                current.pin(SYSTEM, bool(pinned))
+        except ValueError as e:
+            warn(e)
+        return {**tab.streamed(current, state), s.pin_system_prompt: current.settings.system_prompt_pinned}
+
+    # applied at once, as a message's Pin is; .input: the user's click, not the page filling it in
+    tab.charts_after(s.pin_system_prompt.input(pin_system_prompt, inputs=[session, state, s.pin_system_prompt],
+                                               outputs=[*tab.streamed_outputs(), s.pin_system_prompt], **limit,
+                                               api_visibility="private"))
     s.export_btn.click(ui_settings.export, inputs=session, outputs=[s.export_md, s.export_json], api_name="export")
     return load
 
