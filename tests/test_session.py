@@ -600,6 +600,26 @@ def test_two_sessions_on_one_saved_conversation_lose_nothing(tiny_chat, tmp_path
     assert store.read(tmp_path, b.id).messages[-2].content == "B again" and not b.notices
 
 
+def test_a_session_behind_the_saved_copy_catches_up_feeding_only_the_new_turns(tiny_chat, tmp_path):
+    # issue 25, 6: two tabs on one conversation; one that acts on an old copy takes the saved one first
+    model, tok = tiny_chat
+    a = ChatSession(model, tok, cache=dict(policy="h2o", budget=200, n_sink=2, n_recent=12), temperature=0,
+                    max_new_tokens=6, data_dir=tmp_path)
+    "".join(a.send("first"))
+    b = ChatSession.open(model, tok, a.id, tmp_path)  # a second tab
+    assert not b.catch_up()  # nothing new
+    "".join(a.send("from A"))
+    a.configure(temperature=0.5)
+    before = b.stats["tokens_processed"]
+    assert b.catch_up()
+    assert b.messages == a.messages and b.sampling == a.sampling and b._fed == a._fed
+    assert b.stats["tokens_processed"] - before < len(a._fed) - 20  # the new turn only, not a replay
+    "".join(b.send("from B"))
+    assert a.catch_up() and [m.content for m in a.messages if m.role == "user"] == ["first", "from A", "from B"]
+    "".join(a.send("A again"))
+    assert store.list_ids(tmp_path) == [a.id] and not a.notices and not b.notices  # one conversation, no fork
+
+
 @pytest.mark.parametrize("action, match", [
     pytest.param(lambda s: s.edit(None, "x"), "no message None", id="edit-none"),
     pytest.param(lambda s: s.edit(1.0, "x"), "no message 1.0", id="edit-float"),

@@ -16,6 +16,7 @@ not seen, with the pinned ranges protected before their tokens are fed.
     .cache .ledger .stats .turn_stats .last_turn .busy .notices
     send(text) / continue_reply() / regenerate()   -> generator of text pieces
     undo(), edit(turn, text), pin(turn, pinned=True), configure(cache=None, system_prompt=..., **sampling),
+    catch_up(),
     reset(), stop(), close(), autosave(), record(), to_markdown(), take_notices()
 
 Calls check their input at once: a ValueError (with a sentence saying what is wrong) leaves
@@ -152,8 +153,7 @@ class ChatSession:
         elif cache is not None or system_prompt is not None or session_id is not None or sampling_fields:
             raise ValueError("give either a conversation or new settings, not both")
         else:  # a saved one opens whatever it asks: what this machine cannot run becomes the nearest it can
-            settings, changes = limits.nearest(conversation.settings)
-            conversation.use_settings(settings, changes)
+            conversation.use_settings(*limits.nearest(conversation.settings))
         self.model, self.tokenizer, self.data_dir = model, tokenizer, data_dir
         self.batcher = batcher  # batch.Batcher shared with other sessions, or None: the model runs here
         self.conversation = conversation
@@ -498,6 +498,31 @@ class ChatSession:
                 sampler.generator = self._sampler.generator
             self._sampler = sampler
         self.autosave()
+
+    def catch_up(self) -> bool:
+        """Take the saved copy of this conversation if another session (a second tab on it) has
+        saved it since this one did: its messages and settings, fed from the first token that
+        differs (so only the other tab's new turns are computed). True when it did; nothing to do
+        without a data folder, while a reply is being written, or when the file cannot be read
+        (the next save then forks, as ever)."""
+        if self.data_dir is None or self._busy:
+            return False
+        try:
+            saved = store.read(self.data_dir, self.id)
+        except store.SessionFileError:
+            return False
+        if saved.revision <= self.conversation.revision:
+            return False
+        saved.use_settings(*Limits.of(self.model).nearest(saved.settings))
+        old, self.conversation = self.settings, saved
+        self.notices += saved.notices
+        saved.notices = []
+        if saved.settings.cache != old.cache:
+            self.timeline = self._new_timeline(saved.settings.cache)
+        if saved.settings.sampling != old.sampling:
+            self._sampler = Sampler(saved.settings.sampling, self._stop_ids, self.model.device)
+        self._sync()
+        return True
 
     def reset(self):
         """Empty the conversation (same id and settings)."""

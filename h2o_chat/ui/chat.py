@@ -115,10 +115,25 @@ def stream_into(tab, session, state, stream, saved):
 
 
 # --- callbacks (app: state.App, tab: page.Tab) --------------------------------------------------
+CHANGED_ELSEWHERE = ("This conversation was changed in another tab; here it is as saved now. Do it again if you "
+                     "still want to.")
+
+
+def caught_up(session, progress=None):
+    """Two tabs on one conversation share it: before acting, a tab whose copy is older than the
+    saved one takes the saved one (only what differs is fed). True when it did."""
+    if session is None:
+        return False
+    with replaying(session, progress, "Catching up with another tab"):
+        return session.catch_up()
+
+
 def ensure_session(app, tab, session, conversation_id, progress=None):
-    """The tab's session; a tab whose server restarted has none: reopen the conversation the
-    browser remembers (a replay), or start a new one."""
+    """The tab's session, caught up with other tabs on its conversation (a message is then sent
+    after theirs); a tab whose server restarted has none: reopen the conversation the browser
+    remembers (a replay), or start a new one."""
     if session is not None:
+        caught_up(session, progress)
         return session
     if app.is_saved(conversation_id):
         return app.open(conversation_id, progress)
@@ -162,6 +177,9 @@ def act(tab, session, state, action):
         warn("Nothing to do yet: send a message first.")
         return tab.streamed(session, state, saved=False)
     try:
+        if caught_up(session):  # the message acted on may not be where the tab showed it
+            warn(CHANGED_ELSEWHERE)
+            return tab.streamed(session, state)
         action(session)
     except ValueError as e:
         warn(e)
@@ -176,6 +194,10 @@ def run_stream(tab, session, state, start):
         yield tab.streamed(session, state, saved=False)
         return
     try:
+        if caught_up(session):  # the last reply is maybe not the one the tab showed
+            warn(CHANGED_ELSEWHERE)
+            yield tab.streamed(session, state)
+            return
         stream = start(session)
     except ValueError as e:
         warn(e)

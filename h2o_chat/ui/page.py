@@ -165,6 +165,7 @@ def wire_conversation(app, tab, session, conversation_id, state):
     def apply_cache(current, state, progress=gr.Progress(), *typed):  # Gradio finds progress among the positionals
         current = current or app.new_session()
         try:
+            ui_chat.caught_up(current, progress)  # settings apply to the conversation as saved, other tabs' turns too
             with replaying(current, progress):
                 current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
         except ValueError as e:
@@ -175,6 +176,7 @@ def wire_conversation(app, tab, session, conversation_id, state):
     def apply_sampling(current, state, system_prompt, *typed):
         current = current or app.new_session()
         try:
+            ui_chat.caught_up(current)
             current.configure(**ui_settings.sampling_settings(current, system_prompt, dict(zip(s.sampling, typed))))
         except ValueError as e:
             return refused(e, current, state)
@@ -198,6 +200,7 @@ def wire_conversation(app, tab, session, conversation_id, state):
     def pin_system_prompt(current, state, pinned, progress=gr.Progress()):
         current = current or app.new_session()
         try:
+            ui_chat.caught_up(current, progress)
             with replaying(current, progress, "Bringing the system prompt back into every head"):
                 current.pin(SYSTEM, bool(pinned))
         except ValueError as e:
