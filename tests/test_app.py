@@ -229,3 +229,37 @@ def test_a_pin_set_after_eviction_is_whole_in_every_head_through_the_page(tmp_pa
             token_map, stats = (lambda o: (o[1], o[3]))(call(client, *view, api_name="/select"))
             assert pinned <= kept_indices(token_map, "pinned"), view
             assert "never evicted): message 1" in stats
+
+
+def test_a_v1_story_is_listed_watched_read_only_and_its_client_goes_on_as_before(tmp_path):
+    # issue 25: the panel could not show a /v1 story at all. The API's live conversations are in the
+    # saved list (first user line and client); restoring one watches it: its chat and its cache,
+    # read-only; the API client's turns go on exactly as without the page
+    import openai
+
+    with live_app(tmp_path, api=True, temperature=0, max_new_tokens=12) as (url, demo):
+        client = openai.OpenAI(base_url=url + "v1", api_key="x", default_headers={"User-Agent": "SillyTavern/1.12"})
+        story = [{"role": "user", "content": "Ada keeps the lighthouse.\nTell me her story."}]
+        first = client.chat.completions.create(model="h2o-chat", messages=story, max_tokens=12, temperature=0)
+        story.append({"role": "assistant", "content": first.choices[0].message.content})
+        tab = Client(url, verbose=False)
+        choices = call(tab, api_name="/saved_sessions")["choices"]
+        label, live_id = choices[0]
+        assert label == "● live /v1 · SillyTavern · Ada keeps the lighthouse."  # first, named by its line and client
+        watched = shown(call(tab, live_id, api_name="/restore"))
+        assert [(m["role"], text_of(m)) for m in watched["chat"]] == [(m["role"], m["content"]) for m in story]
+        assert "tokens seen" in watched["stats"] and "turn 0 · user" in watched["token_map"]
+        (session, _), = demo.router.pool.watchable()
+        before = (len(session.ledger), session.stats["tokens_processed"], [dict(m) for m in session.history])
+        for route, args in (("/send", ("Let me write here",)), ("/undo", ()), ("/regenerate", ()), ("/pin", (0, True))):
+            job = tab.submit(*args, api_name=route)
+            out = shown(job.result(timeout=CALL_DEADLINE_S))
+            assert [w for w in warnings_of(job) if "watched read-only" in w], route  # refused, with a sentence
+        assert out["stats"] == watched["stats"] and "watched" not in str(out["conversation_id"])
+        assert (len(session.ledger), session.stats["tokens_processed"], session.history) == before  # untouched
+        story.append({"role": "user", "content": "Go on."})
+        second = client.chat.completions.create(model="h2o-chat", messages=story, max_tokens=12, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0  # served from the same cache, as ever
+        assert demo.router.pool.watchable()[0][0] is session
+        fresh = shown(call(tab, api_name="/new_chat"))  # back to writing: a chat of the tab's own
+        assert fresh["chat"] == [] and shown(call(tab, "Now mine", api_name="/send"))["chat"][0]["content"]

@@ -63,6 +63,7 @@ class Job:
     include_usage: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     session: object = None
+    client: str | None = None  # who sent it (client_name), for the page's list of live conversations
 
     def cancel(self):
         """The client has gone: stop now (safe from any thread, at any point of the job)."""
@@ -332,7 +333,7 @@ class Api:
             session = None
             try:
                 if not job.cancelled.is_set():
-                    session, _ = self.pool.acquire(job.kind, job.cache, job.system_prompt, job.messages)
+                    session, _ = self.pool.acquire(job.kind, job.cache, job.system_prompt, job.messages, job.client)
                     job.session = session
                     last = reply(session, job, emit)
             except GenerationError as e:
@@ -348,6 +349,7 @@ class Api:
         emit(last)  # once the session and the worker are free: the client's next request finds both
 
     async def run(self, request, job):
+        job.client = client_name(request.headers)
         loop = asyncio.get_running_loop()
         events = asyncio.Queue()
 
@@ -374,6 +376,30 @@ class Api:
             return await whole(events, request, job, shape, prompt_tokens, cached)
         return StreamingResponse(sse(events, job, shape, prompt_tokens, cached), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# frontends the page names in its list of live conversations when a request mentions them
+KNOWN_CLIENTS = ("SillyTavern", "Open WebUI", "LibreChat", "LobeChat", "Chatbox", "KoboldAI", "Agnaistic", "RisuAI",
+                 "Msty", "AnythingLLM")
+
+
+def client_name(headers):
+    """Who sent a request, in a word the page can show: the X-Title header (OpenRouter's
+    convention, which SillyTavern and others send), a known frontend named in the User-Agent,
+    Referer or Origin, else the User-Agent's first product ("OpenAI/Python 1.99" -> "OpenAI/Python"),
+    else None."""
+    title = headers.get("x-title", "").strip()
+    if title:
+        return title[:40]
+    def letters(text):  # "Open WebUI", "open-webui" and "OpenWebUI" all read "openwebui"
+        return "".join(c for c in text.lower() if c.isalnum())
+
+    said = letters(" ".join(headers.get(name, "") for name in ("user-agent", "referer", "origin")))
+    known = next((name for name in KNOWN_CLIENTS if letters(name) in said), None)
+    if known:
+        return known
+    agent = headers.get("user-agent", "").split()
+    return agent[0][:40] if agent else None
 
 
 def stream_flags(body):

@@ -85,11 +85,13 @@ def main(argv=None):
         sys.exit(f"h2o-chat: {e}")
     from ..chat.batch import Batcher
     batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
-    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher)
-    demo.queue(default_concurrency_limit=args.concurrency)
     from .api import create_router
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
                         closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher)
+    # the page lists the API's live conversations and can watch one (ui/ never imports serve/: it is handed this)
+    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher,
+                 watchable=api.pool.watchable)
+    demo.queue(default_concurrency_limit=args.concurrency)
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,

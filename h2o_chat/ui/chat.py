@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .state import CHAT_EVERY_S, PANEL_EVERY_S, replaying, warn
+from .state import CHAT_EVERY_S, PANEL_EVERY_S, Watched, replaying, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
+LABEL = "h2o-chat"
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
 # box as it was when Enter went down (assets/app.js); keys typed since then stay in the box.
 SEND_JS = """(text) => {
@@ -38,7 +39,7 @@ class Chat:
 
 
 def build():
-    chatbot = gr.Chatbot(label="h2o-chat", height=520, buttons=["copy"], editable="all", elem_id="chat",
+    chatbot = gr.Chatbot(label=LABEL, height=520, buttons=["copy"], editable="all", elem_id="chat",
                          feedback_options=(PIN, UNPIN), like_user_message=True, autoscroll=True)
     text = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter makes a new line)", show_label=False,
                       lines=1, max_lines=10, elem_id="message", autofocus=True)
@@ -48,6 +49,13 @@ def build():
         cont_btn = gr.Button("Continue", elem_id="continue", min_width=80)
         new_btn = gr.Button("New chat", elem_id="new-chat", min_width=80)
     return Chat(chatbot, text, send_btn, stop_btn, cont_btn, new_btn)
+
+
+def label(session):
+    """The chat's label: the app's name, or, for a watched /v1 conversation, whose it is and that it is read-only."""
+    if isinstance(session, Watched):
+        return f"Watching a live /v1 conversation of {session.client or 'an API client'} · read-only"
+    return LABEL
 
 
 def message_text(value):
@@ -268,7 +276,7 @@ def wire(app, tab, c, session, conversation_id, state):
 
     def liked(session, state, data: gr.LikeData, request: gr.Request, progress=gr.Progress()):
         if not one_per_click.first(request.session_hash, (str(data.index), str(data.liked))):
-            return {}  # the same click's second copy (see OnePerClick)
+            return {tab.session: gr.skip()}  # the same click's second copy (see OnePerClick): nothing changes
         return pin(tab, session, state, data.index, data.liked, progress)
 
     streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")

@@ -16,7 +16,7 @@ from ..chat.template import SYSTEM
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
-from .state import BROWSER_KEY, App, chat_view, new_view, replaying, tell, warn
+from .state import BROWSER_KEY, WATCH_EVERY_S, App, Watched, chat_view, new_view, replaying, tell, warn
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
@@ -64,8 +64,8 @@ class Tab:
     def streamed(self, session, state, live=None, panel=True, saved=True):
         """The update after a chat action; panel=False leaves the panel, saved=False the saved list."""
         shown = {self.session: session, self.chat.chatbot: chat_view(session)}
-        if session is not None and session.messages:
-            shown[self.conversation_id] = session.id
+        if session is not None and session.messages and not isinstance(session, Watched):
+            shown[self.conversation_id] = session.id  # what the browser reopens (never a watched /v1 one)
         if saved:
             tell(session)
             shown[self.settings.saved] = gr.Dropdown(choices=self.app.saved())
@@ -93,10 +93,13 @@ class Tab:
         return self.streamed(session, state) | ui_settings.values(self.settings, session)
 
 
-def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None):
+def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None,
+          watchable=None):
     """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
-    ChatSession arguments (sampling, system prompt)."""
-    app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher)
+    ChatSession arguments (sampling, system prompt); watchable: () -> [(session, client)], the
+    conversations the /v1 API holds live (SessionPool.watchable), listed and watchable in the page."""
+    app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher,
+              watchable)
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
         session = gr.State(None, delete_callback=lambda s: s.close() if s is not None else None)
         state = gr.State(new_view())  # the panel's layer and head, per tab
@@ -110,9 +113,10 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         tab = Tab(app, session, conversation_id, state, chat, settings, panel)
         ui_chat.wire(app, tab, chat, session, conversation_id, state)
         ui_panel.wire(panel, session, state, app.n_layers, app.n_heads, tab.charts_after)
-        load = wire_conversation(app, tab, session, conversation_id, state)
-        tab.charts_after(demo.load(load, inputs=[conversation_id, state], outputs=tab.everything_outputs(),
-                                   api_visibility="private"))
+        watching = wire_watch(app, tab, session, state)
+        load = wire_conversation(app, tab, session, conversation_id, state, watching)
+        watching(tab.charts_after(demo.load(load, inputs=[conversation_id, state], outputs=tab.everything_outputs(),
+                                            api_visibility="private")))
         wire_api(app, tab, session, state)
 
         def tab_closed(request: gr.Request):
@@ -127,9 +131,50 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
     return demo
 
 
-def wire_conversation(app, tab, session, conversation_id, state):
+def wire_watch(app, tab, session, state):
+    """Watching a /v1 conversation (a Watched in the tab's session): a timer redraws the chat and
+    the whole panel while it is watched, and only when something changed. Returns `watching(event)`:
+    after `event`, the timer runs if and only if the tab is left watching."""
+    timer = gr.Timer(WATCH_EVERY_S, active=False)
+
+    def tick(current, state):
+        if not isinstance(current, Watched):
+            return {timer: gr.Timer(active=False)}
+        if not app.still_live(current):
+            warn("That /v1 conversation is no longer live (the API let it go to free memory); it is saved: "
+                 "Restore opens it.")
+            own = current.own or app.new_session()
+            return {**tab.everything(own, state), tab.chat.chatbot: gr.Chatbot(chat_view(own), label=ui_chat.label(own)),
+                    timer: gr.Timer(active=False)}
+        if not current.changed():
+            return {timer: gr.skip()}  # nothing new: nothing sent
+        return tab.streamed(current, state, live=current.live_figures(), saved=False)
+
+    def charts(current, state):
+        """The charts again after a tick that drew (see Tab.charts_after): else nothing is sent."""
+        if isinstance(current, Watched) and current.charts_due():
+            return tab.charts(current, state)
+        return {chart: gr.skip() for chart in tab.panel.charts}
+
+    timer.tick(tick, inputs=[session, state], outputs=[*tab.everything_outputs(), timer], api_visibility="private",
+               show_progress="hidden", concurrency_limit=None).then(
+        charts, inputs=[session, state], outputs=tab.panel.charts, queue=False, api_visibility="private",
+        show_progress="hidden")
+
+    def follow(current):
+        """The timer runs while the tab watches; the chat's label says whose conversation it shows."""
+        return gr.Timer(active=isinstance(current, Watched)), gr.Chatbot(label=ui_chat.label(current))
+
+    def watching(event):
+        return event.then(follow, inputs=session, outputs=[timer, tab.chat.chatbot], queue=False,
+                          api_visibility="private", show_progress="hidden")
+    return watching
+
+
+def wire_conversation(app, tab, session, conversation_id, state, watching):
     """Load (reload, restarted server), New chat, Restore and the two Apply buttons: each fills
-    every field from the conversation it leaves the tab on."""
+    every field from the conversation it leaves the tab on. Restore of a live /v1 conversation
+    watches it (read-only); New chat, Restore of a saved one and a reload go back to writing."""
     s, c = tab.settings, tab.chat
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
     everything = tab.everything_outputs()
@@ -153,6 +198,9 @@ def wire_conversation(app, tab, session, conversation_id, state):
         if old is not None and old.id == chosen:
             warn("That conversation is the one open now.")
             return tab.everything(old, state)
+        watched = app.watch(chosen, old.own if isinstance(old, Watched) else old)
+        if watched is not None:  # the tab's own session waits in it, open
+            return tab.everything(watched, state)
         try:
             restored = app.open(chosen, progress)
         except ValueError as e:
@@ -188,10 +236,12 @@ def wire_conversation(app, tab, session, conversation_id, state):
         warn(error)
         return tab.streamed(current, state)
 
-    tab.charts_after(c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit,
-                                     api_name="new_chat"))
-    tab.charts_after(s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything, **limit,
-                                         api_name="restore"))
+    watching(tab.charts_after(c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit,
+                                              api_name="new_chat")))
+    watching(tab.charts_after(s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything,
+                                                  **limit, api_name="restore")))
+    # the list is read when it is opened: the /v1 API's conversations come and go
+    s.saved.focus(lambda: gr.Dropdown(choices=app.saved()), outputs=s.saved, queue=False, api_visibility="private")
     tab.charts_after(s.cache_btn.click(apply_cache, inputs=[session, state, *s.cache.values()], outputs=everything,
                                        **limit, api_name="apply_cache"))
     tab.charts_after(s.sampling_btn.click(apply_sampling, inputs=[session, state, s.system_prompt, *s.sampling.values()],
