@@ -36,8 +36,9 @@ def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, po
     batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py makes one
     router = create_router(model, tokenizer, cache, str(data_dir), concurrency=concurrency, batcher=batcher) \
         if api else None
+    watch = dict(watchable=router.pool.watchable) if router else {}  # the page lists and watches the API's
     demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults,
-                 batcher=batcher, watchable=router.pool.watchable if router else None)
+                 batcher=batcher, **watch)
     demo.batcher, demo.router = batcher, router  # for tests: who shared a batch, the API's pool
     demo.queue(default_concurrency_limit=concurrency)
     port = port or free_port()

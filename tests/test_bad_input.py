@@ -643,6 +643,23 @@ def test_the_app_refuses_an_unusable_model_before_starting(good_model, tmp_path,
     assert str(exit_.value.code).startswith("h2o-chat: ") and match in str(exit_.value.code)  # a line, no traceback
 
 
+def test_a_busy_port_is_one_line_naming_the_port_flag(tmp_path, monkeypatch):
+    # issue 25, 7: Gradio's traceback pointed at GRADIO_SERVER_PORT, which this app does not read
+    import socket
+
+    import h2o_chat.models.load
+
+    monkeypatch.setattr(h2o_chat.models.load, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            app_main.main(["--port", str(port), "--data-dir", str(tmp_path / "data")])
+    assert exit_.value.code == (f"h2o-chat: port {port} on 127.0.0.1 is in use (another h2o-chat?): start with "
+                                f"another, e.g. --port {port + 1}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The app's fields and actions, called as its callbacks are (no server): a refusal is a warning
 # (gr.Warning outside a running app is a Python UserWarning) and changes nothing
@@ -729,8 +746,8 @@ def test_the_sliders_refuse_values_outside_their_range():
 def test_odd_picks_warn_and_leave_the_view_as_it_was(layer, head, match):
     view = {"layer": 1, "head": 0}
     with pytest.warns(UserWarning, match=match):
-        shown = ui_panel.pick(None, None, view, layer, head, n_layers=2, n_heads=2)
-    assert shown == {} and view == {"layer": 1, "head": 0}
+        shown = ui_panel.pick(SimpleNamespace(stats="the stats"), None, view, layer, head, n_layers=2, n_heads=2)
+    assert shown == {"the stats": gr.skip()} and view == {"layer": 1, "head": 0}  # an update that changes nothing
 
 
 @pytest.mark.parametrize("act, match", [

@@ -2,7 +2,9 @@
 serve the chat UI with the OpenAI-compatible /v1 API beside it. `h2o-chat --help` for the flags."""
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -59,6 +61,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_port(host, port):
+    """The address can be listened on: else one line naming --port, before the model loads (Gradio's
+    own refusal is a traceback that points at GRADIO_SERVER_PORT, which this app does not read)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+            probe.bind((host, port))
+    except OSError as e:
+        raise ValueError(port_taken(host, port, e)) from None
+
+
+def port_taken(host, port, error):
+    in_use = error.errno in (errno.EADDRINUSE, None)  # None: Gradio's own "Cannot find empty port"
+    reason = "is in use (another h2o-chat?)" if in_use else f"cannot be used ({error.strerror})"
+    return f"port {port} on {host} {reason}: start with another, e.g. --port {port + 1}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     from ..cache.config import APP_FIELDS, CacheConfig
@@ -78,6 +97,7 @@ def main(argv=None):
             auth = (user, password)
         if args.concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
+        check_port(args.host, args.port)
         quantization = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
         model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization,
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
@@ -94,8 +114,11 @@ def main(argv=None):
     demo.queue(default_concurrency_limit=args.concurrency)
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
-                show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # /v1 beside the UI
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=auth, css=CSS, head=HEAD,
+                    show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # /v1 beside the UI
+    except OSError as e:  # taken while the model loaded
+        sys.exit(f"h2o-chat: {port_taken(args.host, args.port, e)}")
 
 
 if __name__ == "__main__":

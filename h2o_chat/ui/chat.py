@@ -54,7 +54,7 @@ def build():
 def label(session):
     """The chat's label: the app's name, or, for a watched /v1 conversation, whose it is and that it is read-only."""
     if isinstance(session, Watched):
-        return f"Watching a live /v1 conversation of {session.client or 'an API client'} · read-only"
+        return f"Watching /v1 · {session.client or 'an API client'} · read-only"
     return LABEL
 
 
@@ -266,8 +266,15 @@ def wire(app, tab, c, session, conversation_id, state):
         for out in run_stream(tab, session, state, lambda s: s.continue_reply()):
             yield tab.live(out)
 
-    def undone(session, state, data: gr.UndoData):
-        return act(tab, session, state, lambda s: s.undo())
+    def undone(session, state, typed, data: gr.UndoData):
+        """Undo takes the last exchange back, and its message goes back into the box (before
+        anything typed there since), to edit and send again."""
+        before = list(session.messages) if session is not None else []
+        shown = act(tab, session, state, lambda s: s.undo())
+        taken = [m.content for m in before[len(session.messages):] if m.role == "user"] if session is not None else []
+        if taken:
+            shown[c.text] = taken[-1] + (f"\n\n{typed}" if typed and typed.strip() else "")
+        return shown
 
     def edited(session, state, data: gr.EditData):
         return edit(tab, session, state, data.index, data.value)
@@ -283,6 +290,7 @@ def wire(app, tab, c, session, conversation_id, state):
     tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))
     tab.charts_after(tab.charts_after(c.cont_btn.click(continued, **streams)))
     io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private")
-    tab.charts_after(c.chatbot.undo(undone, **io))
+    tab.charts_after(c.chatbot.undo(undone, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
+                                    **limit, api_visibility="private"))
     tab.charts_after(c.chatbot.edit(edited, **io))
     tab.charts_after(c.chatbot.like(liked, **io))

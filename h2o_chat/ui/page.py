@@ -16,7 +16,7 @@ from ..chat.template import SYSTEM
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
-from .state import BROWSER_KEY, WATCH_EVERY_S, App, Watched, chat_view, new_view, replaying, tell, warn
+from .state import BROWSER_KEY, VIEW_KEY, WATCH_EVERY_S, App, Watched, chat_view, new_view, replaying, tell, warn
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
@@ -104,6 +104,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         session = gr.State(None, delete_callback=lambda s: s.close() if s is not None else None)
         state = gr.State(new_view())  # the panel's layer and head, per tab
         conversation_id = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=app.browser_secret())
+        view = gr.BrowserState(None, storage_key=VIEW_KEY)  # the layer and head picked last, for a reload
         with gr.Row():
             with gr.Column(scale=3, min_width=320):
                 chat = ui_chat.build()
@@ -112,10 +113,11 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 panel = ui_panel.build(app.n_layers, app.n_heads, cache_config(dict(cache_defaults)).policy)
         tab = Tab(app, session, conversation_id, state, chat, settings, panel)
         ui_chat.wire(app, tab, chat, session, conversation_id, state)
-        ui_panel.wire(panel, session, state, app.n_layers, app.n_heads, tab.charts_after)
+        ui_panel.wire(panel, session, state, app.n_layers, app.n_heads, tab.charts_after, view)
         watching = wire_watch(app, tab, session, state)
         load = wire_conversation(app, tab, session, conversation_id, state, watching)
-        watching(tab.charts_after(demo.load(load, inputs=[conversation_id, state], outputs=tab.everything_outputs(),
+        watching(tab.charts_after(demo.load(load, inputs=[conversation_id, state, view],
+                                            outputs=[*tab.everything_outputs(), panel.layer, panel.head],
                                             api_visibility="private")))
         wire_api(app, tab, session, state)
 
@@ -179,14 +181,15 @@ def wire_conversation(app, tab, session, conversation_id, state, watching):
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
     everything = tab.everything_outputs()
 
-    def load(conversation_id, state, progress=gr.Progress()):
+    def load(conversation_id, state, view, progress=gr.Progress()):
+        state.update(ui_panel.remembered_view(view, app.n_layers, app.n_heads))  # the view picked before the reload
         fresh = app.new_session()
         if app.is_saved(conversation_id):
             try:
                 fresh = app.open(conversation_id, progress)
             except ValueError as e:
                 warn(e)
-        return tab.everything(fresh, state)
+        return tab.everything(fresh, state) | ui_panel.pickers(tab.panel, state)
 
     def new_chat(old, state):
         if old is not None:

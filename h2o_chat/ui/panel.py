@@ -115,22 +115,42 @@ def update(p, session, state, live=None, maps=True):
 
 def pick(p, session, state, layer, head, n_layers, n_heads):
     """A picker changed: check both values, then show the new view. An odd value warns and the
-    view stays as it was (an empty update)."""
+    view stays as it was."""
     try:
         new_layer = parse_pick(layer, n_layers, "Layer")
         new_head = parse_pick(head, n_heads, "KV head")
     except ValueError as e:
         warn(e)
-        return {}
+        return {p.stats: gr.skip()}  # an empty dict would read as one value, not as no update
     state.update(layer=new_layer, head=new_head if new_layer is not None else None)
     return update(p, session, state)
 
 
-def wire(p, session, state, n_layers, n_heads, charts_after):
-    """The pickers. charts_after: ui.Tab.charts_after (the charts need a second drawing)."""
+def remembered_view(remembered, n_layers, n_heads):
+    """The view a browser remembers ({"layer", "head"}, as `wire` saves it) checked against this
+    model: a view of another model's layers, or anything odd, is every layer and head."""
+    try:
+        layer = parse_pick((remembered or {}).get("layer"), n_layers, "Layer")
+        head = parse_pick((remembered or {}).get("head"), n_heads, "KV head")
+    except (ValueError, AttributeError):
+        return {"layer": None, "head": None}
+    return {"layer": layer, "head": head if layer is not None else None}
+
+
+def pickers(p, state):
+    """The pickers' values for a view state."""
+    return {p.layer: "all" if state["layer"] is None else str(state["layer"]),
+            p.head: "all" if state["head"] is None else str(state["head"])}
+
+
+def wire(p, session, state, n_layers, n_heads, charts_after, remembered):
+    """The pickers (.input: a pick by the user, not the page setting them on load). Each pick is
+    remembered by the browser (`remembered`, a BrowserState), so a reload shows the same view.
+    charts_after: ui.Tab.charts_after (the charts need a second drawing)."""
     def select(session, state, layer, head):
-        return pick(p, session, state, layer, head, n_layers, n_heads)
+        shown = pick(p, session, state, layer, head, n_layers, n_heads)
+        return {**shown, remembered: dict(state)}
 
     for picker in (p.layer, p.head):
-        charts_after(picker.change(select, inputs=[session, state, p.layer, p.head], outputs=p.shown,
-                                   api_name="select", queue=False))
+        charts_after(picker.input(select, inputs=[session, state, p.layer, p.head], outputs=[*p.shown, remembered],
+                                  api_name="select", queue=False))

@@ -25,6 +25,7 @@ CHAT_EVERY_S = 0.1
 PANEL_EVERY_S = 0.5  # the live view (token map, retention map, stats); the charts wait for the end
 WATCH_EVERY_S = 1.0  # a watched /v1 conversation: chat and the whole panel, charts included, when it changed
 BROWSER_KEY = "h2o-chat-conversation"
+VIEW_KEY = "h2o-chat-view"  # the panel's layer and head, remembered by the browser
 
 
 @dataclass
