@@ -452,6 +452,16 @@ def test_one_click_is_one_event_the_menu_fits_and_undo_gives_the_message_back(br
                 assert inside(menu, chat), (width, row, menu, chat)  # "Pin (neve": cut off no more
         page.set_viewport_size({"width": 1280, "height": 900})
         calls.clear()
+        page.locator("#chat .user-row").first.hover()  # message 1 is pinned: an edit it no longer fits is refused
+        page.locator("#chat .message-buttons").first.locator("button[aria-label='Edit']").click()
+        longer = "The keeper is Ada, and her brother Tom is lost at sea."
+        page.locator("#chat textarea.edit-textarea").fill(longer)
+        page.locator("#chat button[aria-label='Submit']").click()
+        page.wait_for_function("(t) => document.querySelector('#message textarea').value === t", arg=longer,
+                               timeout=WAIT_MS)  # refused: what was typed in the edit is in the box, not lost
+        assert calls == ["edit"] and users(page)[0] == "The keeper is Ada."
+        box(page).fill("")
+        calls.clear()
         page.locator("#chat .bot-row").last.hover()
         page.locator("#chat .message-buttons").last.locator("button[aria-label='Retry']").click()
         settled(page)

@@ -276,8 +276,16 @@ def wire(app, tab, c, session, conversation_id, state):
             shown[c.text] = taken[-1] + (f"\n\n{typed}" if typed and typed.strip() else "")
         return shown
 
-    def edited(session, state, data: gr.EditData):
-        return edit(tab, session, state, data.index, data.value)
+    def edited(session, state, typed, data: gr.EditData):
+        """An edit refused (too long, no longer fitting its pin) leaves the message as it was: the
+        text typed in the edit goes to the box, so nothing typed is lost."""
+        shown = edit(tab, session, state, data.index, data.value)
+        text, messages = message_text(data.value), session.messages if session is not None else []
+        index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+        kept = isinstance(index, int) and 0 <= index < len(messages) and messages[index].content == text
+        if isinstance(text, str) and text.strip() and not kept:
+            shown[c.text] = text + (f"\n\n{typed}" if typed and typed.strip() else "")
+        return shown
 
     one_per_click = OnePerClick()
 
@@ -292,5 +300,6 @@ def wire(app, tab, c, session, conversation_id, state):
     io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private")
     tab.charts_after(c.chatbot.undo(undone, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
                                     **limit, api_visibility="private"))
-    tab.charts_after(c.chatbot.edit(edited, **io))
+    tab.charts_after(c.chatbot.edit(edited, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
+                                    **limit, api_visibility="private"))
     tab.charts_after(c.chatbot.like(liked, **io))
