@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from h2o_chat.chat.batch import Batcher
+from h2o_chat.serve.api import create_router
 from h2o_chat.ui.page import CSS, HEAD, build
 from tests.conftest import make_tiny_chat
 
@@ -25,21 +26,24 @@ def free_port():
 
 
 @contextmanager
-def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, port=None, **chat_defaults):
+def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, port=None, api=False, **chat_defaults):
     """The app as `app.py` launches it (show_error on, ssr off), on a free port (or `port`);
-    yields (url, demo)."""
+    yields (url, demo). api: the /v1 routes beside the page, as app.py mounts them (demo.router)."""
     if model is None:
         model, tokenizer = make_tiny_chat()
     defaults = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
     cache = dict(defaults, **(cache or {}))
     batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py makes one
+    router = create_router(model, tokenizer, cache, str(data_dir), concurrency=concurrency, batcher=batcher) \
+        if api else None
+    watch = dict(watchable=router.pool.watchable) if router else {}  # the page lists and watches the API's
     demo = build(model, tokenizer, cache, str(data_dir), concurrency=concurrency, chat_defaults=chat_defaults,
-                 batcher=batcher)
-    demo.batcher = batcher  # for tests: who shared a batch
+                 batcher=batcher, **watch)
+    demo.batcher, demo.router = batcher, router  # for tests: who shared a batch, the API's pool
     demo.queue(default_concurrency_limit=concurrency)
     port = port or free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, css=CSS, head=HEAD, quiet=True,
-                show_error=True, ssr_mode=False)
+                show_error=True, ssr_mode=False, app_kwargs={"routes": router.routes} if router else {})
     try:
         yield f"http://127.0.0.1:{port}/", demo
     finally:
@@ -56,12 +60,13 @@ def texts(chat):
     return [(m["role"], text_of(m)) for m in chat]
 
 
-def warnings_of(job):
-    """The gr.Warning toasts a finished call showed, in order."""
+def warnings_of(job, level="warning"):
+    """The gr.Warning toasts (level "info": gr.Info) a finished call showed, in order. Reading
+    them uses them up: a job's toasts are read once."""
     found, updates = [], job.communicator.updates
     while not updates.empty():
         update = updates.get_nowait()
-        if getattr(update, "log", None) and update.log[1] == "warning":
+        if getattr(update, "log", None) and update.log[1] == level:
             found.append(update.log[0])
     return found
 
@@ -88,7 +93,7 @@ def save_tiny_chat(folder, never_ends=False):
 
 STREAMED = ("conversation_id", "chat", "saved", "legend", "token_map", "retention_map", "stats", "memory", "slots",
             "heavy")
-FIELDS = ("system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
+FIELDS = ("system_prompt", "pin_system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
           "score", "positions")
 
 
@@ -100,6 +105,11 @@ def shown(result):
         FIELDS if len(result) == len(STREAMED) + len(FIELDS) else ())
     assert len(names) == len(result), (len(names), len(result))
     return dict(zip(names, result))
+
+
+def left_as_typed(value):
+    """A route's output the app did not update: the page keeps what the user typed there."""
+    return value == {"__type__": "update"}
 
 
 def deadline(seconds):

@@ -18,7 +18,7 @@ import h2o_chat.models.load
 from h2o_chat import ChatSession
 from h2o_chat.chat import store
 from h2o_chat.chat.batch import Batcher
-from h2o_chat.serve.api import create_router
+from h2o_chat.serve.api import client_name, create_router
 from h2o_chat.ui.page import CSS, build
 from tests.conftest import make_tiny_chat
 from tests.live import free_port, never_ending
@@ -89,6 +89,17 @@ def cached(reply):
 
 # ---------------------------------------------------------------------------------------------
 # The routes
+
+
+@pytest.mark.parametrize("headers, name", [
+    ({"X-Title": "SillyTavern", "User-Agent": "node"}, "SillyTavern"),  # OpenRouter's convention
+    ({"User-Agent": "Mozilla/5.0 SillyTavern/1.12.0"}, "SillyTavern"),
+    ({"User-Agent": "node", "Referer": "http://127.0.0.1:8000/open-webui/"}, "Open WebUI"),
+    ({"User-Agent": "OpenAI/Python 1.99.0"}, "OpenAI/Python"),
+    ({}, None),
+])
+def test_a_request_names_its_client_for_the_page(headers, name):
+    assert client_name(httpx.Headers(headers)) == name
 
 
 def test_models_and_health(server, client):

@@ -2,6 +2,7 @@
 127.0.0.1, one session per client. Sampling is greedy or seeded; every wait has a deadline."""
 
 import json
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -11,7 +12,17 @@ from gradio_client import Client
 
 from h2o_chat.chat import store
 from tests.conftest import make_tiny_chat
-from tests.live import CALL_DEADLINE_S, call, deadline, live_app, never_ending, shown, text_of
+from tests.live import (
+    CALL_DEADLINE_S,
+    call,
+    deadline,
+    left_as_typed,
+    live_app,
+    never_ending,
+    shown,
+    text_of,
+    warnings_of,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -98,14 +109,28 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
 def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     client = Client(app_url, verbose=False)
     send(client, "Hello there")
-    out = shown(call(client, "sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    job = client.submit("sink", 24, 8, 4, "sum", "rolling", api_name="/apply_cache")
+    out = shown(job.result(timeout=CALL_DEADLINE_S))
+    (applied,) = warnings_of(job, "info")  # Apply says what it did
+    assert applied.startswith("Cache applied: sink, budget 24, recent window 8, 4 sinks") and "replayed" in applied
     assert [text_of(m) for m in out["chat"] if m["role"] == "user"] == ["Hello there"]  # the chat survives
     assert "**24** slots per head" in out["stats"] and (out["policy"], out["budget"], out["n_recent"]) == ("sink", 24, 8)
     assert "H2O keeps" not in out["legend"] and "StreamingLLM" in out["legend"]  # the text fits the policy
-    assert len(out["memory"]["value"]["data"]) == 4  # the chart starts again: the origin and now, two series
-    bad = shown(call(client, "h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache"))
+    n = int(re.search(r"\*\*([\d,]+)\*\* tokens seen", out["stats"]).group(1).replace(",", ""))
+    this = [(row[0], row[3]) for row in out["memory"]["value"]["data"] if row[1] == "this cache"]
+    assert this == [(0, 0), (24, 24), (n, 24)]  # the whole history redrawn for the new cache: the knee at 24
+    job = client.submit("h2o", 0, 8, 4, "sum", "rolling", api_name="/apply_cache")
+    bad = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
-    assert (bad["policy"], bad["budget"]) == ("sink", 24)  # ... and the fields show what the chat uses
+    assert left_as_typed(bad["policy"]) and left_as_typed(bad["budget"])  # ... and what was typed stays typed
+    assert warnings_of(job) == ["H2OCache: budget must be positive, got 0"]  # said once
+    job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", api_name="/apply_cache")
+    huge = shown(job.result(timeout=CALL_DEADLINE_S))  # issue 25, 2: accepted, then "can't allocate ..." for good
+    (warning,) = warnings_of(job)
+    assert "a budget of 1,000,000,000 slots needs" in warning and "the budget can be at most" in warning
+    assert "**24** slots per head" in huge["stats"] and left_as_typed(huge["budget"])
+    assert [text_of(m) for m in send(client, "Still here?")["chat"] if m["role"] == "user"] == ["Hello there",
+                                                                                                "Still here?"]
 
 
 def test_a_head_picked_while_a_reply_streams_is_what_the_panel_shows(tmp_path):
@@ -180,3 +205,61 @@ def test_the_saved_list_names_each_conversation_newest_first(app_url):
     labels = [label for label, _ in saved]
     assert labels[0].startswith("A second one · ") and labels[0].endswith(" · 2 messages")
     assert any(label.startswith("The first conversation starts here with many words · ") for label in labels[1:])
+
+
+def kept_indices(token_map, status=r"(?!evicted)[a-z]+"):
+    return {int(i) for i in re.findall(rf'class="tok st-{status}" data-i="(\d+)"', token_map)}
+
+
+def test_a_pin_set_after_eviction_is_whole_in_every_head_through_the_page(tmp_path):
+    # issue 25, 1, through the page: every (layer, KV head) view shows every pinned token kept
+    with live_app(tmp_path, cache=dict(score="mean"), temperature=0, max_new_tokens=24) as (url, _):
+        client = Client(url, verbose=False)
+        for text in ("Ada keeps the lighthouse.", "Hello there!", "Tell me a story about a lighthouse.", "Shorter."):
+            send(client, text)
+        views = [(layer, head) for layer in ("0", "1") for head in ("0", "1")]
+        before = {view: call(client, *view, api_name="/select")[1] for view in views}
+        call(client, "all", "all", api_name="/select")
+        out = shown(call(client, 0, True, api_name="/pin"))
+        pinned = kept_indices(out["token_map"], "pinned")
+        assert len(pinned) == len("Ada keeps the lighthouse.")  # the message's words, one token a character
+        assert any(not pinned <= kept_indices(before[view]) for view in views)  # some head had evicted some
+        assert out["stats"].endswith("pinned (never evicted): message 1")
+        for view in views:
+            token_map, stats = (lambda o: (o[1], o[3]))(call(client, *view, api_name="/select"))
+            assert pinned <= kept_indices(token_map, "pinned"), view
+            assert "never evicted): message 1" in stats
+
+
+def test_a_v1_story_is_listed_watched_read_only_and_its_client_goes_on_as_before(tmp_path):
+    # issue 25: the panel could not show a /v1 story at all. The API's live conversations are in the
+    # saved list (first user line and client); restoring one watches it: its chat and its cache,
+    # read-only; the API client's turns go on exactly as without the page
+    import openai
+
+    with live_app(tmp_path, api=True, temperature=0, max_new_tokens=12) as (url, demo):
+        client = openai.OpenAI(base_url=url + "v1", api_key="x", default_headers={"User-Agent": "SillyTavern/1.12"})
+        story = [{"role": "user", "content": "Ada keeps the lighthouse.\nTell me her story."}]
+        first = client.chat.completions.create(model="h2o-chat", messages=story, max_tokens=12, temperature=0)
+        story.append({"role": "assistant", "content": first.choices[0].message.content})
+        tab = Client(url, verbose=False)
+        choices = call(tab, api_name="/saved_sessions")["choices"]
+        label, live_id = choices[0]
+        assert label == "● live /v1 · SillyTavern · Ada keeps the lighthouse."  # first, named by its line and client
+        watched = shown(call(tab, live_id, api_name="/restore"))
+        assert [(m["role"], text_of(m)) for m in watched["chat"]] == [(m["role"], m["content"]) for m in story]
+        assert "tokens seen" in watched["stats"] and "turn 0 · user" in watched["token_map"]
+        (session, _), = demo.router.pool.watchable()
+        before = (len(session.ledger), session.stats["tokens_processed"], [dict(m) for m in session.history])
+        for route, args in (("/send", ("Let me write here",)), ("/undo", ()), ("/regenerate", ()), ("/pin", (0, True))):
+            job = tab.submit(*args, api_name=route)
+            out = shown(job.result(timeout=CALL_DEADLINE_S))
+            assert [w for w in warnings_of(job) if "watched read-only" in w], route  # refused, with a sentence
+        assert out["stats"] == watched["stats"] and "watched" not in str(out["conversation_id"])
+        assert (len(session.ledger), session.stats["tokens_processed"], session.history) == before  # untouched
+        story.append({"role": "user", "content": "Go on."})
+        second = client.chat.completions.create(model="h2o-chat", messages=story, max_tokens=12, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0  # served from the same cache, as ever
+        assert demo.router.pool.watchable()[0][0] is session
+        fresh = shown(call(tab, api_name="/new_chat"))  # back to writing: a chat of the tab's own
+        assert fresh["chat"] == [] and shown(call(tab, "Now mine", api_name="/send"))["chat"][0]["content"]

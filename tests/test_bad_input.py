@@ -45,7 +45,9 @@ from transformers import GPT2Config
 
 import app as app_main
 from h2o_chat import ChatSession, Conversation, Message
+from h2o_chat.chat import limits as limits_mod
 from h2o_chat.chat import store
+from h2o_chat.chat import timeline as timeline_mod
 from h2o_chat.chat.conversation import cache_config, sampling
 from h2o_chat.chat.session import MAX_MESSAGE_CHARS, check_system_prompt, check_text
 from h2o_chat.chat.template import render
@@ -56,7 +58,7 @@ from h2o_chat.ui import panel as ui_panel
 from h2o_chat.ui import settings as ui_settings
 from h2o_chat.ui.state import App, number
 from tests.conftest import make_tiny_chat
-from tests.live import CALL_DEADLINE_S, call, live_app, save_tiny_chat, shown, texts, warnings_of
+from tests.live import CALL_DEADLINE_S, call, left_as_typed, live_app, save_tiny_chat, shown, texts, warnings_of
 
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -398,6 +400,11 @@ SESSION_SETTINGS = [
     pytest.param(dict(max_new_tokens=0), "max_new_tokens must be in", id="max_new_tokens-0"),
     pytest.param(dict(temprature=0.5), "unknown setting 'temprature'", id="misspelt-setting"),
     pytest.param(dict(system_prompt="\ud800"), "the system prompt is not valid Unicode", id="system-prompt-surrogate"),
+    # beyond what this machine can hold (issue 25, 2: budget 10**9 was accepted, then broke the chat for good)
+    pytest.param(dict(cache=dict(budget=10**9)), "a budget of 1,000,000,000 slots needs .* GiB for its keys and "
+                 "values .* the budget can be at most", id="budget-beyond-memory"),
+    pytest.param(dict(max_new_tokens=10**9), "a reply of 1,000,000,000 tokens would not fit .* max new tokens can "
+                 "be at most", id="max-new-tokens-beyond-memory"),
 ]
 
 
@@ -417,6 +424,30 @@ def test_invalid_settings_change_nothing_in_a_running_session(primed, settings, 
         primed.configure(**settings)
     assert state(primed) == before  # nothing applied, not even the valid part
     goes_on(primed)
+
+
+def test_a_budget_beyond_memory_is_refused_before_anything_is_allocated(primed, monkeypatch):
+    made = []
+    monkeypatch.setattr(timeline_mod, "H2OCache", lambda *a, **k: made.append(a) or pytest.fail("a cache was made"))
+    with pytest.raises(ValueError, match="the budget can be at most"):
+        primed.configure(cache=dict(CACHE, budget=10**9))
+    assert made == []
+
+
+def test_a_saved_conversation_beyond_this_machine_opens_on_the_nearest_it_can_run(primed, monkeypatch):
+    monkeypatch.setattr(limits_mod, "free_bytes", lambda device: 2**26)  # a small machine: 64 MiB free
+    limits = limits_mod.Limits.of(primed.model)
+    assert limits.max_budget == 2**25 // (5 * limits.per_slot) - 1
+    record = store.load(primed.data_dir, primed.id)
+    record["cache"]["budget"], record["sampling"]["max_new_tokens"] = 10**9, 10**9  # by hand, or an older version
+    store.save(primed.data_dir, primed.id, record)
+    reopened = ChatSession.open(primed.model, primed.tokenizer, primed.id, primed.data_dir)
+    assert reopened.history == primed.history
+    assert reopened.cache_config.budget == limits.max_budget and reopened.sampling.max_new_tokens == 2**25 // 1024
+    (notice,) = reopened.take_notices()
+    assert f"budget 1,000,000,000 -> {limits.max_budget:,}; max_new_tokens 1,000,000,000 -> 32,768" in notice
+    goes_on(reopened)
+    assert store.load(primed.data_dir, primed.id)["cache"]["budget"] == limits.max_budget  # saved with the change
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,15 +504,43 @@ CORRUPT = [
     pytest.param(lambda r: {**r, "messages": [{"role": "user", "content": "\ud800"}]}, "malformed transcript",
                  id="content-lone-surrogate"),
     pytest.param(lambda r: {**r, "system_prompt": 123}, "malformed system prompt", id="system-prompt-a-number"),
-    pytest.param(lambda r: {**r, "cache": "big"}, "invalid settings", id="cache-a-string"),
-    pytest.param(lambda r: {**r, "cache": {**r["cache"], "budget": 0}}, "invalid settings", id="cache-budget-0"),
-    pytest.param(lambda r: {**r, "cache": {**r["cache"], "budget": math.nan}}, "invalid settings",
-                 id="cache-budget-nan"),
-    pytest.param(lambda r: {**r, "cache": {"budgett": 5}}, "invalid settings", id="cache-unknown-key"),
-    pytest.param(lambda r: {**r, "sampling": [1, 2]}, "invalid settings", id="sampling-a-list"),
-    pytest.param(lambda r: {**r, "sampling": {"temperature": "hot"}}, "invalid settings", id="sampling-text"),
-    pytest.param(lambda r: {**r, "sampling": {"max_new_tokens": 0}}, "invalid settings", id="sampling-out-of-range"),
 ]
+
+# settings this version refuses (an older version's file, or one edited by hand): the conversation
+# still opens, each on the nearest allowed value, with a notice saying which (issue 25, 2)
+IMPOSSIBLE_SETTINGS = [
+    pytest.param(lambda r: {**r, "cache": "big"}, "the cache settings were unreadable ('big'): the defaults",
+                 {"budget": 512}, id="cache-a-string"),
+    pytest.param(lambda r: {**r, "cache": {**r["cache"], "budget": 0}}, "budget 0 -> 512", {"budget": 512},
+                 id="cache-budget-0"),
+    pytest.param(lambda r: {**r, "cache": {**r["cache"], "budget": math.nan}}, "budget nan -> 512", {"budget": 512},
+                 id="cache-budget-nan"),
+    pytest.param(lambda r: {**r, "cache": {"budgett": 5}}, "budgett 5 dropped (no such setting)", {"budget": 512},
+                 id="cache-unknown-key"),
+    pytest.param(lambda r: {**r, "cache": {"budget": 48, "n_sink": 4, "n_recent": 100}}, "n_recent 100 -> None",
+                 {"budget": 48, "n_sink": 4, "n_recent": None}, id="cache-recent-over-the-budget"),
+    pytest.param(lambda r: {**r, "sampling": [1, 2]}, "the sampling settings were unreadable ([1, 2]): the defaults",
+                 {"temperature": 0.7}, id="sampling-a-list"),
+    pytest.param(lambda r: {**r, "sampling": {"temperature": "hot"}}, "temperature 'hot' -> 0.7",
+                 {"temperature": 0.7}, id="sampling-text"),
+    pytest.param(lambda r: {**r, "sampling": {"max_new_tokens": 0}}, "max_new_tokens 0 -> 1", {"max_new_tokens": 1},
+                 id="sampling-out-of-range"),
+    pytest.param(lambda r: {**r, "sampling": {"temperature": 99}}, "temperature 99 -> 5", {"temperature": 5},
+                 id="sampling-above-its-bound"),
+]
+
+
+@pytest.mark.parametrize("content, change, settings", IMPOSSIBLE_SETTINGS)
+def test_a_saved_conversation_with_impossible_settings_opens_on_the_nearest_allowed(saved_folder, content, change,
+                                                                                     settings):
+    folder, record = saved_folder
+    (folder / "odd.json").write_bytes(corrupt(content, record))
+    conversation = store.read(folder, "odd")
+    assert [m.content for m in conversation.messages] == ["hi", "hello"]
+    assert len(conversation.notices) == 1 and change in conversation.notices[0]
+    values = {**vars(conversation.settings.cache), **vars(conversation.settings.sampling)}
+    assert {name: values[name] for name in settings} == settings
+    assert {s.id: s.error for s in store.summaries(folder)}["odd"] is None  # listed as openable
 
 
 def corrupt(spec, record):
@@ -512,7 +571,7 @@ def test_a_corrupt_saved_file_is_refused_listed_with_its_error_and_the_others_st
     assert [m.content for m in store.read(folder, record["id"]).messages] == ["hi", "hello"]
 
 
-@pytest.mark.parametrize("content, match", pick(CORRUPT, "not-json", "cache-budget-0"))
+@pytest.mark.parametrize("content, match", pick(CORRUPT, "not-json", "json-null"))
 def test_a_corrupt_saved_session_is_refused_and_the_others_still_restore(primed, content, match):
     model, tok, folder = primed.model, primed.tokenizer, primed.data_dir
     record = json.loads((folder / f"{primed.id}.json").read_text(encoding="utf-8"))
@@ -589,6 +648,23 @@ def test_the_app_refuses_an_unusable_model_before_starting(good_model, tmp_path,
     with pytest.raises(SystemExit) as exit_:
         app_main.main(["--model", make(good_model, tmp_path), "--data-dir", str(tmp_path / "data")])
     assert str(exit_.value.code).startswith("h2o-chat: ") and match in str(exit_.value.code)  # a line, no traceback
+
+
+def test_a_busy_port_is_one_line_naming_the_port_flag(tmp_path, monkeypatch):
+    # issue 25, 7: Gradio's traceback pointed at GRADIO_SERVER_PORT, which this app does not read
+    import socket
+
+    import h2o_chat.models.load
+
+    monkeypatch.setattr(h2o_chat.models.load, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            app_main.main(["--port", str(port), "--data-dir", str(tmp_path / "data")])
+    assert exit_.value.code == (f"h2o-chat: port {port} on 127.0.0.1 is in use (another h2o-chat?): start with "
+                                f"another, e.g. --port {port + 1}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,8 +753,8 @@ def test_the_sliders_refuse_values_outside_their_range():
 def test_odd_picks_warn_and_leave_the_view_as_it_was(layer, head, match):
     view = {"layer": 1, "head": 0}
     with pytest.warns(UserWarning, match=match):
-        shown = ui_panel.pick(None, None, view, layer, head, n_layers=2, n_heads=2)
-    assert shown == {} and view == {"layer": 1, "head": 0}
+        shown = ui_panel.pick(SimpleNamespace(stats="the stats"), None, view, layer, head, n_layers=2, n_heads=2)
+    assert shown == {"the stats": gr.skip()} and view == {"layer": 1, "head": 0}  # an update that changes nothing
 
 
 @pytest.mark.parametrize("act, match", [
@@ -871,7 +947,7 @@ def test_the_app_refuses_invalid_cache_settings(app, budget, n_recent, n_sink, m
     out = shown(warned(client, "/apply_cache", "h2o", budget, n_recent, n_sink, "sum", "rolling", match=match))
     assert texts(out["chat"]) == before
     assert "**48** slots per head" in out["stats"]  # the cache is as it was ...
-    assert (out["budget"], out["n_recent"], out["n_sink"]) == (48, 16, 2)  # ... and the fields say so
+    assert all(left_as_typed(out[name]) for name in ("budget", "n_recent", "n_sink"))  # ... and nothing typed is lost
     app_goes_on(client, before)
 
 
@@ -892,7 +968,7 @@ def test_the_app_refuses_a_budget_that_is_not_a_number(app):
 def test_the_app_refuses_odd_sampling_values(app, temperature, top_p, max_new, match):
     client, before = tab_with_one_exchange(app[0])
     out = shown(warned(client, "/sampling", "", temperature, top_p, max_new, match=match.replace("\\", "")))
-    assert (out["temperature"], out["max_new_tokens"]) == (0, 6)  # what the chat uses, unchanged
+    assert left_as_typed(out["temperature"]) and left_as_typed(out["max_new_tokens"])  # as typed: nothing lost
     app_goes_on(client, before)
 
 

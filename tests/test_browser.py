@@ -4,13 +4,17 @@ pin through the Chatbot's own buttons, pick a layer and head, restore a saved co
 Replies are greedy (temperature 0); every wait has a deadline. Skipped where chromium is not
 installed (`.ci/run` installs it)."""
 
+import os
+import re
 import shutil
 
 import pytest
 
+from h2o_chat import ChatSession
 from h2o_chat.bench.page import apply_settings
+from h2o_chat.chat import store
 from tests.conftest import make_tiny_chat
-from tests.live import free_port, live_app, never_ending
+from tests.live import deadline, free_port, live_app, never_ending
 
 CHROMIUM = shutil.which("chromium")
 playwright = pytest.importorskip("playwright.sync_api")
@@ -347,3 +351,287 @@ def test_two_tabs_stream_at_once_in_one_batch(browser, tmp_path):
         finally:
             for c in contexts:
                 c.close()
+
+
+# --- issue 25: the story writer's promises ------------------------------------------------------------------
+
+SHOTS = os.environ.get("H2O_CHAT_SHOTS")  # a folder to keep the screenshots in (else the test's tmp_path)
+
+
+def shot(page, name, tmp_path, full_page=False):
+    """A screenshot, kept where H2O_CHAT_SHOTS says (to be looked at) and in tmp_path."""
+    for folder in filter(None, (SHOTS, str(tmp_path))):
+        os.makedirs(folder, exist_ok=True)
+        page.screenshot(path=os.path.join(folder, f"{name}.png"), full_page=full_page)
+
+
+@pytest.fixture(scope="module")
+def short_app(tmp_path_factory):
+    """Replies of at most 30 tokens (greedy): (url, demo)."""
+    with live_app(tmp_path_factory.mktemp("data"), cache=CACHE, temperature=0, max_new_tokens=30) as (url, demo):
+        yield url, demo
+
+
+def open_page(browser, url, width=1280, height=900):
+    context = browser.new_context(viewport={"width": width, "height": height})
+    context.set_default_timeout(WAIT_MS)
+    page = context.new_page()
+    page.goto(url)
+    page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+    wait_for_the_page_load(page)
+    return context, page
+
+
+def settled(page):
+    """Until the reply has ended (the stats are the finished turn's) and the chat has its text."""
+    page.wait_for_function("() => { const t = document.querySelector('#stats').innerText; return t.includes("
+                           "'tokens seen') && !t.includes('waiting for the first token') && !t.includes('streaming'); }",
+                           timeout=WAIT_MS)
+    page.wait_for_timeout(300)
+
+
+def send_and_settle(page, text):
+    send(page, text)
+    settled(page)
+
+
+def users(page):
+    return page.evaluate("() => [...document.querySelectorAll('#chat .user-row')].map(e => e.innerText.trim())")
+
+
+def toasts(page, text):
+    """How many toasts showing `text` the page holds now."""
+    return page.evaluate("(t) => [...document.querySelectorAll('.toast-wrap .toast-item')]"
+                         ".filter(e => e.innerText.includes(t)).length", text)
+
+
+def feedback_menu(page, row):
+    """Hover the message's flag: its Pin / Unpin menu opens; (menu box, chat box)."""
+    page.locator("#chat .message-row").nth(row).hover()
+    buttons = page.locator("#chat .message-buttons").nth(row)  # each message's buttons sit after it
+    buttons.locator("button[aria-label='Feedback']").hover()
+    menu = buttons.locator(".extra-feedback-options")
+    menu.wait_for(state="visible", timeout=WAIT_MS)
+    return menu.bounding_box(), page.locator("#chat").bounding_box()
+
+
+def inside(inner, outer):
+    return (inner["x"] >= outer["x"] and inner["y"] >= outer["y"] and inner["x"] + inner["width"] <= outer["x"]
+            + outer["width"] and inner["y"] + inner["height"] <= outer["y"] + outer["height"])
+
+
+def test_one_click_is_one_event_the_menu_fits_and_undo_gives_the_message_back(browser, short_app, monkeypatch):
+    # issue 25, 3 and 7: one click on Pin sent the pin twice (a "changed elsewhere" warning and a
+    # "(copy)" fork, refusals shown twice); the menu was cut off at the chat's edge; Undo lost the message
+    calls = []
+    for name in ("pin", "undo", "edit", "regenerate"):
+        original = getattr(ChatSession, name)
+        monkeypatch.setattr(ChatSession, name, lambda self, *a, _f=original, _n=name, **k: calls.append(_n) or
+                            _f(self, *a, **k))
+    context, page = open_page(browser, short_app[0])
+    try:
+        send_and_settle(page, "The keeper is Ada.")
+        feedback_menu(page, 0)
+        page.locator("#chat .message-buttons").first.locator(".extra-feedback-option", has_text="Pin (never evict)").click()
+        page.wait_for_function("() => document.querySelector('#stats').innerText.includes('pinned (never evicted): "
+                               "message 1')", timeout=WAIT_MS)
+        page.wait_for_timeout(1000)  # a second copy of the event would have landed by now
+        assert calls == ["pin"] and toasts(page, "changed elsewhere") == 0
+        send_and_settle(page, "A message far too long to be pinned beside the recent window of this cache.")
+        calls.clear()
+        feedback_menu(page, 2)
+        page.locator("#chat .message-buttons").nth(2).locator(".extra-feedback-option", has_text="Pin (never evict)").click()
+        page.wait_for_function("() => [...document.querySelectorAll('.toast-wrap .toast-item')].some(e => "
+                               "e.innerText.includes('raise the budget or lower the recent window'))", timeout=WAIT_MS)
+        page.wait_for_timeout(1000)
+        assert calls == ["pin"] and toasts(page, "raise the budget or lower the recent window") == 1  # said once
+        for width, height in ((1280, 900), (390, 844)):
+            page.set_viewport_size({"width": width, "height": height})
+            for row in (0, 1):  # the user's message (at the right edge) and the reply (at the left)
+                menu, chat = feedback_menu(page, row)
+                assert inside(menu, chat), (width, row, menu, chat)  # "Pin (neve": cut off no more
+        page.set_viewport_size({"width": 1280, "height": 900})
+        calls.clear()
+        page.locator("#chat .user-row").first.hover()  # message 1 is pinned: an edit it no longer fits is refused
+        page.locator("#chat .message-buttons").first.locator("button[aria-label='Edit']").click()
+        longer = "The keeper is Ada, and her brother Tom is lost at sea."
+        page.locator("#chat textarea.edit-textarea").fill(longer)
+        page.locator("#chat button[aria-label='Submit']").click()
+        page.wait_for_function("(t) => document.querySelector('#message textarea').value === t", arg=longer,
+                               timeout=WAIT_MS)  # refused: what was typed in the edit is in the box, not lost
+        assert calls == ["edit"] and users(page)[0] == "The keeper is Ada."
+        box(page).fill("")
+        calls.clear()
+        page.locator("#chat .bot-row").last.hover()
+        page.locator("#chat .message-buttons").last.locator("button[aria-label='Retry']").click()
+        settled(page)
+        page.locator("#chat .bot-row").last.hover()
+        page.locator("#chat .message-buttons").last.locator("button[aria-label='Undo']").click()
+        page.wait_for_function("() => document.querySelectorAll('#chat .user-row').length === 1", timeout=WAIT_MS)
+        assert calls == ["regenerate", "undo"]
+        page.wait_for_function("() => document.querySelector('#message textarea').value.startsWith('A message far')",
+                               timeout=WAIT_MS)  # the undone message is back in the box, to edit and send again
+    finally:
+        context.close()
+
+
+def test_the_picked_view_survives_a_reload(browser, short_app):
+    context, page = open_page(browser, short_app[0])
+    try:
+        send_and_settle(page, "Remember my view")
+        pick(page, "#layer", "1")
+        page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1:')",
+                               timeout=WAIT_MS)
+        pick(page, "#head", "0")
+        page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1, head 0:')",
+                               timeout=WAIT_MS)
+        page.reload()
+        page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+        page.wait_for_function("() => document.querySelector('#stats').innerText.includes('In layer 1, head 0:')",
+                               timeout=WAIT_MS)
+        assert (page.locator("#layer input").input_value(), page.locator("#head input").input_value()) == ("1", "0")
+    finally:
+        context.close()
+
+
+def line_points(page, chart):
+    """Each drawn line of a chart as its points [(x, y)] in SVG pixels (y grows downwards)."""
+    paths = page.evaluate(f"() => [...document.querySelectorAll('{chart} .mark-line path')].map(p => "
+                          "p.getAttribute('d'))")
+    return [[tuple(map(float, xy.split(","))) for xy in re.findall(r"[-\d.]+,[-\d.]+", d)] for d in paths]
+
+
+def knee(points):
+    """The line rises to a knee, then runs flat: the knee's x, else None."""
+    if len(points) == 3 and abs(points[1][1] - points[2][1]) < 0.5 and points[1][1] < points[0][1] - 5:
+        return points[1][0]
+    return None
+
+
+@pytest.mark.parametrize("width, height", [(1280, 900), (390, 844)])
+def test_the_charts_show_the_knee_at_the_budget_after_1_and_after_12_replies(browser, tmp_path, width, height):
+    # issue 25, 4: one point per reply drew no knee after one reply and flattened at ~350 tokens
+    # after 13; the charts now run per token seen, the knee at the budget (48) from the first reply
+    with live_app(tmp_path / "data", cache=CACHE, temperature=0, max_new_tokens=30) as (url, _):
+        context, page = open_page(browser, url, width, height)
+        try:
+            for n in range(1, 13):
+                send_and_settle(page, f"Reply {n}, tell me more of the story.")
+                if n not in (1, 12):
+                    continue
+                seen = int(re.search(r"([\d,]+)\s*tokens seen", page.inner_text("#stats")).group(1).replace(",", ""))
+                assert seen > 48
+                page.locator("#slots-chart").scroll_into_view_if_needed()
+                for chart in ("#slots-chart", "#memory-chart"):
+                    page.wait_for_function(f"() => document.querySelectorAll('{chart} .mark-line path').length === 2",
+                                           timeout=WAIT_MS)
+                    page.wait_for_timeout(500)  # the second drawing (Tab.charts_after)
+                    knees = [knee(points) for points in line_points(page, chart)]
+                    assert sum(k is not None for k in knees) == 1, (chart, n, line_points(page, chart))
+                shot(page, f"charts-{width}-after-{n}-repl{'y' if n == 1 else 'ies'}", tmp_path, full_page=True)
+        finally:
+            context.close()
+
+
+def test_a_v1_story_is_listed_picked_and_watched_while_it_streams(browser, tmp_path):
+    # issue 25: a story sent through /v1 by the openai client is in the page's list, and its panel
+    # follows the client's reply while it streams
+    import threading
+
+    import openai
+
+    model, tok = never_ending(*make_tiny_chat())
+    with live_app(tmp_path / "data", model, tok, cache=CACHE, api=True, concurrency=2, temperature=0,
+                  max_new_tokens=5000) as (url, demo):
+        client = openai.OpenAI(base_url=url + "v1", api_key="x", default_headers={"User-Agent": "SillyTavern/1.12"})
+        chunks, done = [], threading.Event()
+
+        def story():
+            try:
+                for chunk in client.chat.completions.create(
+                        model="h2o-chat", stream=True, max_tokens=30000, temperature=0,
+                        messages=[{"role": "system", "content": "You tell stories."},
+                                  {"role": "user", "content": "Ada keeps the lighthouse.\nTell me her story."}]):
+                    chunks.append(chunk)
+            finally:
+                done.set()
+
+        threading.Thread(target=story, daemon=True).start()
+        context, page = open_page(browser, url)
+        try:
+            page.get_by_text("Saved conversations and export").click()
+            for _ in deadline(60):
+                if chunks:
+                    break
+            picker = page.locator("#saved input")
+            picker.click()
+            listbox = picker.get_attribute("aria-controls")
+            option = page.locator(f"#{listbox}").get_by_role("option").filter(has_text="live /v1").first
+            assert option.inner_text().strip() == "● live /v1 · SillyTavern · Ada keeps the lighthouse."
+            option.click()
+            page.click("#restore")
+            page.get_by_text("Ada keeps the lighthouse.").first.wait_for(timeout=WAIT_MS)  # its chat, in the column
+            page.wait_for_function("() => document.querySelector('#chat').innerText.includes('read-only')",
+                                   timeout=WAIT_MS)
+            counts = []
+            for _ in deadline(120):
+                found = re.search(r"([\d,]+)\s*tokens seen", page.inner_text("#stats"))
+                if found and (not counts or int(found.group(1).replace(",", "")) != counts[-1]):
+                    counts.append(int(found.group(1).replace(",", "")))
+                if len(counts) >= 3:
+                    break
+            assert not done.is_set(), "the client's reply ended before the page saw it grow"
+            assert counts == sorted(counts) and len(set(counts)) == 3  # the token count grows while it streams
+            assert "streaming" in page.inner_text("#stats")
+            assert page.locator("#token-map .tok").count() > 0 and page.locator("#retention-map img").count() == 1
+            shot(page, "watch-v1-1280", tmp_path)
+            page.set_viewport_size({"width": 390, "height": 844})
+            page.wait_for_timeout(1500)
+            shot(page, "watch-v1-390", tmp_path, full_page=True)
+            page.set_viewport_size({"width": 1280, "height": 900})
+            box(page).fill("Can I write here?")
+            box(page).press("Enter")
+            page.wait_for_function("() => [...document.querySelectorAll('.toast-wrap .toast-item')].some(e => "
+                                   "e.innerText.includes('watched read-only'))", timeout=WAIT_MS)
+            page.wait_for_function("() => document.querySelector('#message textarea').value === 'Can I write here?'",
+                                   timeout=WAIT_MS)  # refused, and nothing typed is lost
+        finally:
+            context.close()
+            for session, _ in demo.router.pool.watchable():
+                session.stop()
+            done.wait(timeout=60)
+
+
+def test_two_tabs_show_every_message_after_reloads_and_a_server_restart(browser, tmp_path):
+    # issue 25, 6: a second tab's message vanished from view after a reload (it was in a fork),
+    # and a new tab after a restart did not show the conversation
+    model, tok = make_tiny_chat()
+    data, port = tmp_path / "data", free_port()
+    everything = ["From the first tab", "From the second tab", "The first tab again"]
+    context = new_context(browser)  # one browser: its tabs share what it remembers
+    try:
+        with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=12) as (url, _):
+            first = context.new_page()
+            first.goto(url)
+            wait_for_the_page_load(first)
+            send_and_settle(first, "From the first tab")
+            second = context.new_page()  # a new tab: the conversation this browser showed last
+            second.goto(url)
+            wait_for_the_page_load(second)
+            assert users(second) == ["From the first tab"]
+            send_and_settle(second, "From the second tab")
+            send_and_settle(first, "The first tab again")  # it catches up, then sends after the second's message
+            for page in (first, second):
+                page.reload()
+                wait_for_the_page_load(page)
+                page.get_by_text("The first tab again").first.wait_for(timeout=WAIT_MS)
+                assert users(page) == everything
+            assert len(store.list_ids(data)) == 1  # one conversation: no fork
+        with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=12) as (url, _):
+            third = context.new_page()  # a new tab after the restart: the same conversation
+            third.goto(url)
+            wait_for_the_page_load(third)
+            third.get_by_text("The first tab again").first.wait_for(timeout=WAIT_MS)
+            assert users(third) == everything
+    finally:
+        context.close()

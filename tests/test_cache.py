@@ -122,7 +122,8 @@ def test_pinned_tokens_match_reference_and_stay(tiny_llama64):
 def test_pins_that_leave_no_room_are_refused(tiny_llama):
     cache = H2OCache(tiny_llama, policy="h2o", budget=16, n_sink=2, n_recent=8)
     cache.protect(10, 16)  # 2 + 6 + 8 = 16: fits exactly
-    with pytest.raises(ValueError, match="exceed the budget"):
+    with pytest.raises(ValueError, match="the pins need 7 slots, but 8 recent [+] 2 sinks leave 6 of the budget of 16: "
+                                         "raise the budget, lower the recent window or unpin a message"):
         cache.protect(20, 21)
     cache.unprotect(10, 16)
     cache.protect(20, 21)

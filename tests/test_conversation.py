@@ -28,7 +28,7 @@ def test_the_json_round_trip_is_exact():
 
 def test_defaults_are_declared_once():
     # a new conversation, a session given nothing, and a saved file that names nothing agree
-    assert Conversation().settings == Settings() == Settings.from_record({})
+    assert Conversation().settings == Settings() and Settings.from_record({}) == (Settings(), [])
     assert Settings().cache == CacheConfig() and Settings().sampling == Sampling()
     # ChatSession declares no sampling default of its own: its settings are the dataclass's
     assert not {"temperature", "top_p", "max_new_tokens"} & set(inspect.signature(ChatSession).parameters)

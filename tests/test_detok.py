@@ -27,7 +27,7 @@ def stream(tokenizer, ids, stop=()):
 def full_decode(tokenizer, ids, stop=()):
     text = tokenizer.decode(ids, skip_special_tokens=True)
     cut = min((text.find(s) for s in stop if s in text), default=-1)
-    return text[:cut] if cut >= 0 else text
+    return text[:cut] if cut >= 0 else text.rstrip("\ufffd")  # a last character cut in its bytes is not text
 
 
 def random_replies(vocab_size, n, seed):
@@ -40,6 +40,16 @@ def test_tiny_tokenizer_pieces_equal_the_full_decode(tiny_chat):
     for ids in random_replies(len(tok), 200, seed=0):
         pieces, detok = stream(tok, ids)
         assert "".join(pieces) == full_decode(tok, ids) == detok.text
+
+
+def test_a_reply_cut_in_the_middle_of_a_character_ends_before_it(tiny_model_dir):
+    # issue 25, 7: max new tokens ran out inside "é" and the reply was saved with a trailing U+FFFD
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # byte-level: "é" is two tokens
+    ids = tok("café au lait", add_special_tokens=False).input_ids[:4]  # c, a, f and the first byte of é
+    pieces, detok = stream(tok, ids)
+    assert "".join(pieces) == detok.text == "caf"
 
 
 @pytest.mark.embedded

@@ -67,27 +67,61 @@ def test_top_heavy_hitters_are_heavy_and_sorted(session):
 
 
 def test_memory_rows_and_stats(session):
-    rows = draw.memory_rows(session.turn_stats)
-    this = [r for r in rows if r["cache"] == "this cache"]
-    full = [r for r in rows if r["cache"] == "a full cache"]
-    assert len(this) == len(full) == len(TURNS) * 3 + 1  # every reply, and the origin
-    assert this[-1]["slots per head"] == 48 and full[-1]["slots per head"] == session.stats["tokens_seen"]
+    rows = draw.memory_rows(session.stats, 48)
+    this = [(r["tokens seen"], r["slots per head"]) for r in rows if r["cache"] == "this cache"]
+    full = [(r["tokens seen"], r["slots per head"]) for r in rows if r["cache"] == "a full cache"]
+    n = session.stats["tokens_seen"]
+    assert this == [(0, 0), (48, 48), (n, 48)] and full == [(0, 0), (48, 48), (n, n)]  # the knee at the budget
     text = draw.stats_markdown(session.stats, session.ledger.retention(session.cache))
     assert f"{session.stats['tokens_seen']:,}** tokens seen" in text and "saved" in text
     assert "heavy hitters" in draw.legend_html("h2o") and ">kept<" in draw.legend_html("h2o")
 
 
-def test_points_from_before_a_replay_or_undo_are_dropped():
-    point = lambda n, kv: {"tokens_seen": n, "kv_bytes": kv, "full_kv_bytes": 2 * n, "slots_used": n}  # noqa: E731
-    rows = draw.memory_rows([point(10, 10), point(40, 30), point(20, 20), point(50, 30)])
-    assert [r["tokens seen"] for r in rows if r["cache"] == "this cache"] == [0, 10, 40, 50]
+def chart(session, column):
+    """{series: [(tokens seen, value)]} of the panel's chart rows."""
+    rows = draw.panel(session, maps=False)["memory"]
+    return {name: [(r["tokens seen"], r[column]) for r in rows if r["cache"] == name] for name in draw.SERIES}
+
+
+@pytest.mark.parametrize("turns", [1, 12])
+def test_the_charts_show_the_knee_at_the_budget_from_the_first_reply(tiny_chat, turns):
+    # issue 25, 4: one point per reply drew a straight line from (0, 0) to the first reply, and
+    # flattened at ~350 tokens instead of the budget after 13 turns
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), temperature=0,
+                    max_new_tokens=40)
+    for text in (TURNS * 3)[:turns]:
+        "".join(s.send(text))
+    n, stats = s.stats["tokens_seen"], s.stats
+    assert n > 48
+    assert chart(s, "slots per head") == {"this cache": [(0, 0), (48, 48), (n, 48)],
+                                          "a full cache": [(0, 0), (48, 48), (n, n)]}
+    per_token = stats["full_kv_bytes"] / n
+    memory = chart(s, "KV MiB")
+    assert memory["this cache"][1] == (48, round(48 * per_token / 2**20, 3))  # the knee, in memory too
+    assert memory["this cache"][2] == (n, round(stats["kv_bytes"] / 2**20, 3))  # now: what the cache holds
+    assert memory["a full cache"][2] == (n, round(stats["full_kv_bytes"] / 2**20, 3))
+
+
+def test_a_replay_redraws_the_whole_history(tiny_chat):
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), temperature=0,
+                    max_new_tokens=30)
+    for text in TURNS:
+        "".join(s.send(text))
+    n = s.stats["tokens_seen"]
+    s.configure(cache=dict(policy="sink", budget=32, n_sink=2, n_recent=16))  # replayed through a new cache
+    assert chart(s, "slots per head")["this cache"] == [(0, 0), (32, 32), (n, 32)]  # from the start, not from now
+    s.undo()
+    m = s.stats["tokens_seen"]
+    assert chart(s, "slots per head")["this cache"] == [(0, 0), (32, 32), (m, 32)]
 
 
 def test_one_point_has_a_readable_scale():
-    rows = draw.memory_rows([{"tokens_seen": 57, "kv_bytes": 2.504883 * 2**20, "full_kv_bytes": 3 * 2**20,
-                               "slots_used": 48}])
+    rows = draw.memory_rows({"tokens_seen": 57, "kv_bytes": 2.504883 * 2**20, "full_kv_bytes": 3 * 2**20,
+                             "slots_used": 48}, 48)
     assert draw.chart_limits(rows, "tokens seen") == [0, pytest.approx(57 * 1.15)]
-    assert rows[2]["KV MiB"] == 2.505  # rounded, not 2.504883 as a raw tick
+    assert rows[4]["KV MiB"] == 2.505  # rounded, not 2.504883 as a raw tick
     assert rows[0]["tokens seen"] == 0 and rows[0]["KV MiB"] == 0  # a line from the origin, not a lone point
 
 
@@ -175,3 +209,18 @@ def test_the_stats_say_when_a_reply_is_still_streaming(session):
     assert "waiting for the first token" in draw.stats_markdown(session.stats, ret, live=(None, None))
     assert "· streaming" in draw.stats_markdown(session.stats, ret, live=(0.2, 12.5))
     assert "streaming" not in draw.stats_markdown(session.stats, ret)  # the finished turn
+
+
+def test_the_stats_call_a_pin_never_evicted_only_when_every_head_holds_it(tiny_chat):
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=80, n_sink=2, n_recent=16, score="mean"),
+                    temperature=0, max_new_tokens=20)
+    for text in TURNS:
+        "".join(s.send(text))
+    s.pin(0)
+    stats = draw.panel(s, maps=False)["stats"]
+    assert stats.endswith(" · pinned (never evicted): message 1")
+    s.messages[2].pinned = True  # pinned behind the session's back: no replay brought its evicted tokens back
+    s.cache.set_pins(s._pins(s._segments()))
+    stats = draw.panel(s, maps=False)["stats"]
+    assert " · pinned (never evicted): message 1 · pinned, not whole: message 3 (" in stats

@@ -30,3 +30,15 @@ def test_a_request_waits_briefly_for_the_busy_session_that_holds_its_history():
     assert again is busy and 0.2 < time.monotonic() - start < LENT_WAIT_S
     other, _ = pool.acquire("chat", CACHE, None, history)  # lent again: after the wait, a new session
     assert other is not busy and len(pool) == 2
+
+
+def test_the_page_can_list_every_live_session_with_its_client():
+    model, tokenizer = make_tiny_chat()
+    pool = SessionPool(lambda kind, cache, system: ChatSession(model, tokenizer, cache=cache, system_prompt=system),
+                       max_kv_bytes=2**30)
+    story = [{"role": "user", "content": "a story", "pinned": False}]
+    first, _ = pool.acquire("chat", CACHE, None, story, client="SillyTavern")
+    pool.release(first)
+    second, _ = pool.acquire("chat", dict(CACHE, budget=32), None, story, client="OpenAI/Python")
+    assert pool.watchable() == [(second, "OpenAI/Python"), (first, "SillyTavern")]  # most recent first
+    pool.release(second)

@@ -71,6 +71,28 @@ def test_concurrent_writers_of_one_revision_exactly_one_wins(tmp_path):
     assert store.read(tmp_path, base.id).messages[-1].content == f"writer {winner}"
 
 
+def test_one_copy_saved_from_two_threads_never_takes_itself_for_another_writer(tmp_path):
+    # issue 25, 3: one click on Pin ran two pins at once on one tab's conversation; the second
+    # save read the revision the first had written before the first recorded it, and forked
+    conversation = Conversation(messages=[Message("user", "hi")])
+    store.write(tmp_path, conversation)
+    stale = []
+
+    def save():
+        for _ in range(100):
+            try:
+                store.write(tmp_path, conversation)
+            except store.StaleRevisionError as e:
+                stale.append(e)
+
+    threads = [threading.Thread(target=save) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert stale == [] and conversation.revision == 201
+
+
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     conversation = saved(tmp_path)
     before = (tmp_path / f"{conversation.id}.json").read_bytes()

@@ -52,6 +52,52 @@ def check_fields(obj, names=None):
                                               meta["low_open"]))
 
 
+def nearest_allowed(cls, values):
+    """(`cls`(...), [what was changed]) for the settings dataclass `cls` from `values`, a dict of its
+    fields that may hold what `cls` refuses (a file written by an older version or by hand). A
+    number out of its declared bounds becomes the nearest bound (a whole one for an integer
+    field); anything else a field refuses, and an unknown field, gives way to its default; a
+    combination `cls` refuses (sinks and recent window over the budget) gives up the one field,
+    the last declared first, whose default makes it work. Changes read "budget 0 -> 512"."""
+    known = {f.name: f for f in fields(cls)}
+    kept, changed = {}, [f"{name} {value!r} dropped (no such setting)" for name, value in values.items()
+                         if name not in known]
+    for name in (f.name for f in fields(cls) if f.name in values):  # in declaration order
+        value = values[name]
+        kept[name] = _nearest_value(known[name], value)
+        if kept[name] is not value and kept[name] != value:
+            changed.append(f"{name} {value!r} -> {kept[name]!r}")
+    tries = [kept] + [{k: v for k, v in kept.items() if k != name} for name in reversed(kept)] + [{}]
+    for values_tried in tries:
+        try:
+            made = cls(**values_tried)
+        except (TypeError, ValueError):
+            continue
+        changed += [f"{name} {kept[name]!r} -> {getattr(made, name)!r}" for name in kept if name not in values_tried]
+        return made, changed
+    raise AssertionError(f"{cls.__name__}'s defaults are refused")  # never: the defaults are valid
+
+
+def _nearest_value(f, value):
+    """The value of field `f` nearest `value` that its declaration allows (its default if none is near)."""
+    meta = f.metadata
+    if not meta or (value is None and f.default is None):
+        return value
+    if meta["choices"] is not None:
+        return value if value in meta["choices"] else f.default
+    if meta["low"] is None and meta["high"] is None and not meta["integer"]:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        return f.default
+    if meta["integer"] and math.isfinite(value):
+        value = round(value)
+    if meta["high"] is not None and value > meta["high"]:
+        return meta["high"]
+    if meta["low"] is not None and (value <= meta["low"] if meta["low_open"] else value < meta["low"]):
+        return f.default if meta["low_open"] else meta["low"]
+    return value
+
+
 def _is_fraction(x) -> bool:
     return isinstance(x, float) and 0.0 < x < 1.0
 

@@ -62,6 +62,22 @@ def is_pinned(token, pins):
     return any(start <= token < end for start, end in pins)
 
 
+def pinned_slots(pins, n_sink):
+    """The slots pins take: their tokens, each counted once, less those the sinks hold anyway."""
+    return len(set().union(*(range(max(start, n_sink), end) for start, end in pins)))
+
+
+class PinRefused(ValueError):
+    """Pins the budget has no room for: `limits` (a Budget) and `pinned`, the slots they would take."""
+
+    def __init__(self, limits, pinned):
+        self.limits, self.pinned = limits, pinned
+        free = limits.budget - limits.n_sink - limits.n_recent
+        super().__init__(f"the pins need {pinned} slots, but {limits.n_recent} recent + {limits.n_sink} sinks leave "
+                         f"{free} of the budget of {limits.budget}: raise the budget, lower the recent window or "
+                         "unpin a message")
+
+
 class H2OLayer(CacheLayerMixin):
     """One layer's slots. Buffers have room for `capacity` slots; the first `n_slots` are live.
 
@@ -424,17 +440,16 @@ class H2OCache(Cache):
     # --- pins ------------------------------------------------------------------------------
     def protect(self, start, end):
         """Never evict absolute tokens [start, end) (those still cached). They count against the
-        budget; pins that would leave no room for the sinks and the recent window are refused."""
+        budget; pins that would leave no room for the sinks and the recent window are refused
+        (PinRefused, a ValueError that says what would make room)."""
         if not (0 <= start < end):
             raise ValueError(f"protect: need 0 <= start < end, got [{start}, {end})")
         pins = self.pins + [(start, end)]
         if self.limits is not None and self.limits.budget is not None:
             lim = self.limits
-            pinned = len(set().union(*(range(max(s, lim.n_sink), e) for s, e in pins)))
+            pinned = pinned_slots(pins, lim.n_sink)
             if lim.n_sink + pinned + lim.n_recent > lim.budget:
-                raise ValueError(
-                    f"cannot pin {end - start} more tokens: {pinned} pinned + {lim.n_sink} sinks + "
-                    f"{lim.n_recent} recent would exceed the budget of {lim.budget} slots")
+                raise PinRefused(lim, pinned)
         self.pins = pins
 
     def set_pins(self, ranges):

@@ -11,7 +11,7 @@ there. `CHOICES` are the values of the cache settings that are a choice.
 `record()` / `Conversation.from_record()` are the JSON round trip (the file layout, format 2):
 
     {"version": 2, "id", "title", "created", "updated", "revision", "forked_from",
-     "system_prompt", "cache": {CacheConfig fields}, "sampling": {Sampling fields},
+     "system_prompt", "system_prompt_pinned", "cache": {CacheConfig fields}, "sampling": {Sampling fields},
      "messages": [{"role", "content", "pinned"}]}
 
 Format 1 (before revisions) is the same without title/created/revision/forked_from and loads
@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 
-from ..cache.config import CacheConfig, check_fields, check_number, setting
+from ..cache.config import CacheConfig, check_fields, check_number, nearest_allowed, setting
 
 ROLES = ("user", "assistant", "system")  # a system message after the first turn: a frontend's note
 CHOICES = {f.name: f.metadata["choices"] for f in fields(CacheConfig) if f.metadata.get("choices")}
@@ -117,22 +117,32 @@ class Settings:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sampling: Sampling = field(default_factory=Sampling)
     system_prompt: str | None = None
+    system_prompt_pinned: bool = False  # never evicted: the system prompt, given or the template's own
 
     def record(self):
-        return {"system_prompt": self.system_prompt, "cache": asdict(self.cache), "sampling": asdict(self.sampling)}
+        return {"system_prompt": self.system_prompt, "system_prompt_pinned": self.system_prompt_pinned,
+                "cache": asdict(self.cache), "sampling": asdict(self.sampling)}
 
     @classmethod
     def from_record(cls, record):
-        """From a saved file's fields; ValueError (or TypeError) for settings that are not valid.
-        Sampling fields this version does not know are dropped (a newer file may add some)."""
-        saved_sampling, cache = record.get("sampling") or {}, record.get("cache") or {}
-        if not isinstance(saved_sampling, dict) or not isinstance(cache, dict):
-            raise ValueError("the settings are not key-value maps")
-        saved_sampling = {k: v for k, v in saved_sampling.items() if k in Sampling.__dataclass_fields__}
+        """(Settings, [changes]) from a saved file's fields. A file written by an older version or
+        by hand may hold settings this version refuses: each becomes the nearest allowed
+        (cache.config.nearest_allowed), and the changes say which, so the conversation still
+        opens. Sampling fields this version does not know are dropped (a newer file may add some)."""
+        saved_cache, saved_sampling = record.get("cache"), record.get("sampling")
+        changes = [f"the {name} settings were unreadable ({value!r}): the defaults" for name, value in
+                   (("cache", saved_cache), ("sampling", saved_sampling)) if value is not None and
+                   not isinstance(value, dict)]
+        saved_cache = saved_cache if isinstance(saved_cache, dict) else {}
+        saved_sampling = {k: v for k, v in (saved_sampling if isinstance(saved_sampling, dict) else {}).items()
+                          if k in Sampling.__dataclass_fields__}
+        cache, cache_changes = nearest_allowed(CacheConfig, saved_cache)
+        sampled, sampling_changes = nearest_allowed(Sampling, saved_sampling)
         system_prompt = record.get("system_prompt")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError("the system prompt is not text")
-        return cls(cache_config(cache), sampling(saved_sampling), system_prompt or None)
+        settings = cls(cache, sampled, system_prompt or None, record.get("system_prompt_pinned") is True)
+        return settings, changes + cache_changes + sampling_changes
 
 
 @dataclass
@@ -165,6 +175,9 @@ class Conversation:
     updated: float = field(default_factory=time.time)
     revision: int = 0  # the revision on disk this copy was read as (0: never saved)
     forked_from: str | None = None
+    # sentences for the user about this copy (its saved settings could not be used as they were);
+    # never saved, and no part of what two copies compare
+    notices: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def display_title(self):
@@ -191,10 +204,20 @@ class Conversation:
         if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
             raise ValueError(f"the revision must be a non-negative whole number, got {revision!r}")
         title, forked_from = record.get("title") or "", record.get("forked_from")
-        return cls(id=conversation_id, messages=[Message.of(m) for m in record["messages"]],
-                   settings=Settings.from_record(record), title=title if isinstance(title, str) else "",
-                   created=created, updated=updated, revision=revision,
-                   forked_from=forked_from if isinstance(forked_from, str) else None)
+        settings, changes = Settings.from_record(record)
+        conversation = cls(id=conversation_id, messages=[Message.of(m) for m in record["messages"]],
+                           title=title if isinstance(title, str) else "", created=created, updated=updated,
+                           revision=revision, forked_from=forked_from if isinstance(forked_from, str) else None)
+        conversation.use_settings(settings, changes)
+        return conversation
+
+    def use_settings(self, settings, changes=()):
+        """Run on `settings`, the nearest allowed to what was saved; `changes` ("budget 0 -> 512")
+        become a notice (they are saved with the next change)."""
+        self.settings = settings
+        if changes:
+            self.notices.append("This conversation's saved settings could not run as they were, so the nearest "
+                                f"allowed are used: {'; '.join(changes)} (saved with the next change).")
 
     def become_fork(self):
         """Turn this copy into a new conversation that has never been saved (new id, revision 0),

@@ -105,10 +105,13 @@ class Detokenizer:
         return self.out.take()
 
     def finish(self):
-        """At the natural end: whatever is left (an incomplete character as the tokenizer shows it)."""
+        """At the end of the reply: whatever is left, less an incomplete last character. A reply cut
+        in the middle of a character's bytes (max new tokens ran out there) decodes them as U+FFFD,
+        which would be saved as text the model never wrote; the tokens stay in the cache, and the
+        next turn, finding the text shorter, feeds it again from there."""
         if not self.stopped and self.read < len(self.ids):
             context = self._decode(self.ids[self.prefix : self.read])
-            self.out.feed(self._decode(self.ids[self.prefix :])[len(context) :])
+            self.out.feed(self._decode(self.ids[self.prefix :])[len(context) :].rstrip("\ufffd"))
             self.read = len(self.ids)
         return self.out.take(final=True)
 

@@ -16,6 +16,7 @@ not seen, with the pinned ranges protected before their tokens are fed.
     .cache .ledger .stats .turn_stats .last_turn .busy .notices
     send(text, role="user") / continue_reply() / regenerate()   -> generator of text pieces
     undo(), edit(turn, text), pin(turn, pinned=True), configure(cache=None, system_prompt=..., **sampling),
+    catch_up(),
     reset(), stop(), close(), autosave(), record(), to_markdown(), take_notices()
 
 Calls check their input at once: a ValueError (with a sentence saying what is wrong) leaves
@@ -39,11 +40,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from ..cache.config import CacheConfig
+from ..cache.h2o import PinRefused, pinned_slots
 from . import store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
+from .limits import Limits
 from .sampler import Sampler, stop_token_ids, unpack_logprobs
-from .template import MAX_REPLIES, KnownTokens, render, turn_ranges
+from .template import MAX_REPLIES, SYSTEM, KnownTokens, render, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
 
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
@@ -155,18 +158,24 @@ class ChatSession:
                  data_dir: str | os.PathLike | None = None, session_id: str | None = None,
                  conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
                  batcher=None, should_stop: Callable[[], bool] | None = None, **sampling_fields):
+        limits = Limits.of(model)
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
+            limits.check(settings)
             conversation = Conversation(settings=settings)
             if session_id is not None:
                 conversation.id = store.check_id(session_id)
         elif cache is not None or system_prompt is not None or session_id is not None or sampling_fields:
             raise ValueError("give either a conversation or new settings, not both")
+        else:  # a saved one opens whatever it asks: what this machine cannot run becomes the nearest it can
+            conversation.use_settings(*limits.nearest(conversation.settings))
         self.model, self.tokenizer, self.data_dir = model, tokenizer, data_dir
         self.batcher = batcher  # batch.Batcher shared with other sessions, or None: the model runs here
         self.conversation = conversation
         self.on_progress = on_progress  # callable(done, total) while the conversation is replayed
-        self.notices = []  # sentences for the user (a save that became a fork); take_notices() drains them
+        # sentences for the user (settings that could not be used as saved, a save that became a
+        # fork); take_notices() drains them
+        self.notices, conversation.notices = conversation.notices, []
         self.save_error = None  # why the last save failed (a sentence without paths), None when it worked
         self.top_logprobs = None  # k: each reply token's logprob and the k likeliest, in token_logprobs
         self.token_logprobs = []  # [(token id, logprob, [(id, logprob)] * k)] of the last reply's tokens
@@ -472,19 +481,51 @@ class ChatSession:
             self.autosave()
 
     def pin(self, turn: int, pinned: bool = True) -> None:
-        """Never evict this message's tokens (they count against the budget); pinned=False
-        lets them compete again. Refused with ValueError when the budget has no room."""
+        """Never evict the words of message `turn` (they count against the budget); turn -1
+        (template.SYSTEM) is the system prompt, the one given or the template's own. pinned=False
+        lets them compete again; asking for what is already so changes nothing.
+
+        A pin is whole before this returns: every layer and KV head holds every pinned token. A
+        message pinned after some of its tokens were evicted is fed again from before them (the
+        latest snapshot there, else a replay, calling on_progress). Refused with ValueError, saying
+        what would make room, when the budget has none."""
         self._check_idle()
-        message = self.messages[self._check_turn(turn)]
+        if turn != SYSTEM or isinstance(turn, bool):
+            self._check_turn(turn)
         if not isinstance(pinned, bool):
             raise ValueError(f"pinned must be True or False, got {pinned!r}")
-        old, message.pinned = message.pinned, pinned
+        if self._is_pinned(turn) == pinned:
+            return
+        self._set_pinned(turn, pinned)
         try:
-            self.cache.set_pins(self._pins(self._segments()))
+            self._sync()
+        except PinRefused as e:
+            self._set_pinned(turn, not pinned)
+            raise ValueError(self._no_room(turn, e.limits)) from None
         except ValueError:
-            message.pinned = old
+            self._set_pinned(turn, not pinned)
             raise
         self.autosave()
+
+    def _is_pinned(self, turn):
+        return self.settings.system_prompt_pinned if turn == SYSTEM else self.messages[turn].pinned
+
+    def _set_pinned(self, turn, pinned):
+        if turn == SYSTEM:
+            self.settings.system_prompt_pinned = pinned
+        else:
+            self.messages[turn].pinned = pinned
+
+    def _no_room(self, turn, lim):
+        """Why `turn` cannot be pinned, in numbers a user can act on."""
+        segments = self._segments()
+        others = pinned_slots(self._pins(segments, leave_out=turn), lim.n_sink)
+        size = pinned_slots(turn_ranges(segments, {turn}), lim.n_sink)
+        free = lim.budget - lim.n_recent - lim.n_sink - others
+        what = "the system prompt" if turn == SYSTEM else "this message"
+        return (f"{what} is {size} tokens; {lim.n_recent} recent + {lim.n_sink} sinks + {others} pinned leave "
+                f"{max(free, 0)} free of {lim.budget}: raise the budget or lower the recent window"
+                + (", or unpin another message" if others else ""))
 
     def configure(self, cache: CacheConfig | dict | None = None, system_prompt: str | None = ...,
                   **sampling_fields) -> None:
@@ -508,7 +549,9 @@ class ChatSession:
         self._check_idle()
         new = Settings(cache_config(cache) if cache is not None else self.cache_config,
                        sampling(sampling_fields, base=self.sampling),
-                       check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt)
+                       check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt,
+                       self.settings.system_prompt_pinned)
+        Limits.of(self.model).check(new)  # what this machine cannot run is refused before anything is made
         old, old_timeline = self.conversation.settings, self.timeline
         self.conversation.settings = new
         try:
@@ -539,6 +582,31 @@ class ChatSession:
         twin.timeline = self.timeline.copy()
         twin._known.replies = dict(self._known.replies)
         return twin
+
+    def catch_up(self) -> bool:
+        """Take the saved copy of this conversation if another session (a second tab on it) has
+        saved it since this one did: its messages and settings, fed from the first token that
+        differs (so only the other tab's new turns are computed). True when it did; nothing to do
+        without a data folder, while a reply is being written, or when the file cannot be read
+        (the next save then forks, as ever)."""
+        if self.data_dir is None or self._busy:
+            return False
+        try:
+            saved = store.read(self.data_dir, self.id)
+        except store.SessionFileError:
+            return False
+        if saved.revision <= self.conversation.revision:
+            return False
+        saved.use_settings(*Limits.of(self.model).nearest(saved.settings))
+        old, self.conversation = self.settings, saved
+        self.notices += saved.notices
+        saved.notices = []
+        if saved.settings.cache != old.cache:
+            self.timeline = self._new_timeline(saved.settings.cache)
+        if saved.settings.sampling != old.sampling:
+            self._sampler = Sampler(saved.settings.sampling, self._stop_ids, self.model.device)
+        self._sync()
+        return True
 
     def reset(self):
         """Empty the conversation (same id and settings)."""
@@ -608,8 +676,10 @@ class ChatSession:
         return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply,
                       known=self._known)
 
-    def _pins(self, segments):
-        return turn_ranges(segments, {i for i, m in enumerate(self.messages) if m.pinned})
+    def _pins(self, segments, leave_out=None):
+        turns = {i for i, m in enumerate(self.messages) if m.pinned} | ({SYSTEM} if self.settings.system_prompt_pinned
+                                                                        else set())
+        return turn_ranges(segments, turns - {leave_out})
 
     def _sync(self, add_generation_prompt=False, open_reply=True, should_stop=None):
         """Make the cache hold the rendered conversation; False when should_stop() ended it early."""

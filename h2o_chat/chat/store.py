@@ -74,7 +74,9 @@ def write(data_dir, conversation):
             raise StaleRevisionError(conversation.id, conversation.revision, on_disk)
         updated = time.time()
         save(data_dir, conversation.id, {**conversation.record(), "revision": on_disk + 1, "updated": updated})
-    conversation.revision, conversation.updated = on_disk + 1, updated
+        # inside the lock: a second save of this same copy (from another thread) must see the
+        # revision this one wrote, or it takes itself for another writer and forks
+        conversation.revision, conversation.updated = on_disk + 1, updated
     return conversation.revision
 
 

@@ -1,7 +1,9 @@
 """The chat template, as token segments: what the model sees of a conversation.
 
     render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None)
-      -> [Segment(ids, role, turn)]   turn: index into messages, -1 for the system prompt
+      -> [Segment(ids, role, turn, text)]   turn: index into messages, -1 for the system prompt;
+                                            text: the message's own words (not the template's)
+    turn_ranges(segments, turns) -> [(start, end)]   what a pin of those messages covers
 
 Message texts are tokenized on their own with special tokens split, so a user typing
 "<|im_end|>" gets plain text, never a control token; the template's own text is tokenized
@@ -33,10 +35,14 @@ FOLD_SEPARATOR = "\n\n"  # between a folded system message and the user text it 
 _TOKENIZER_LOCK = threading.Lock()
 
 
+SYSTEM = -1  # the turn of the system prompt
+
+
 class Segment(NamedTuple):
     ids: list
     role: str
     turn: int
+    text: bool = False  # the message's own words; False: the template's (its heads, a default system prompt)
 
 
 def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None):
@@ -54,12 +60,13 @@ def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open
         head, text = text.split(PLACEHOLDER.format(key), 1)
         content, role = (system_prompt, "system") if key == "s" else (shown[key].content, shown[key].role)
         segments += [Segment(tokenize(tokenizer, head, template=True), role, turn),
-                     Segment(content_ids(tokenizer, content, role, known), role, turn)]
+                     Segment(content_ids(tokenizer, content, role, known), role, turn, text=True)]
         turn += 1
     tail = len(shown)
     if open_last:
         segments += [Segment(tokenize(tokenizer, text, template=True), "assistant", tail),
-                     Segment(content_ids(tokenizer, messages[-1].content, "assistant", known), "assistant", tail)]
+                     Segment(content_ids(tokenizer, messages[-1].content, "assistant", known), "assistant", tail,
+                             text=True)]
     elif add_generation_prompt:
         segments.append(Segment(tokenize(tokenizer, text, template=True), "assistant", tail))
     else:  # the last message's end-of-turn
@@ -139,13 +146,20 @@ def token_ids(segments):
 
 
 def turn_ranges(segments, turns):
-    """Absolute [start, end) of each of `turns` in the rendered tokens (turns absent: skipped)."""
-    ranges, pos = {}, 0
+    """Absolute [start, end) of what pinning each of `turns` protects, in turn order (a turn with
+    nothing rendered is skipped). A message: its own words only, never the template's tokens
+    around them (SmolLM2's template puts its default system prompt before the first message).
+    SYSTEM: everything before the first message's words: the system prompt, the one given or the
+    one the template adds, with the template's opening."""
+    ranges, pos, first_words = {}, 0, None
     for s in segments:
-        if s.turn in turns:
-            start, _ = ranges.get(s.turn, (pos, pos))
-            ranges[s.turn] = (start, pos + len(s.ids))
+        if s.text and s.turn != SYSTEM and first_words is None:
+            first_words = pos
+        if s.text and s.turn in turns and s.turn != SYSTEM:
+            ranges[s.turn] = (pos, pos + len(s.ids))
         pos += len(s.ids)
+    if SYSTEM in turns and first_words:
+        ranges[SYSTEM] = (0, first_words)
     return [ranges[t] for t in sorted(ranges)]
 
 

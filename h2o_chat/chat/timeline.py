@@ -12,10 +12,12 @@
 `sync` makes the cache hold exactly the rendered `segments`: it keeps the longest fed prefix
 they share (going back to the latest snapshot inside it, or to empty), protects the pinned
 ranges (absolute [start, end) of the rendered tokens) BEFORE any of their tokens is fed, then
-feeds the rest in chunks. Edit, settings change, restore and reload all come through it.
-`should_stop()` is asked before each chunk: a Stop or a client that has gone ends a long prefill
-or replay within one chunk, leaving the timeline at a consistent shorter state (the next sync
-feeds the rest).
+feeds the rest in chunks. Edit, settings change, restore and reload all come through it. A pin
+set after some of its tokens were evicted (a message pinned late) counts as a change at its
+first missing token: the cache goes back to before it and feeds it again, so a pinned token is
+held by every layer and KV head, always. `should_stop()` is asked before each chunk: a Stop or a
+client that has gone ends a long prefill or replay within one chunk, leaving the timeline at a
+consistent shorter state (the next sync feeds the rest).
 
 A forward that fails (out of memory) goes back to a state the cache has fully seen, so the
 timeline is never ahead of or behind the cache.
@@ -53,6 +55,22 @@ class Snapshot:
     logits: torch.Tensor | None
 
 
+def first_missing_pin(cache, n):
+    """The first pinned token below `n` that some layer or KV head of `cache` no longer holds, or None."""
+    wanted = sorted({t for start, end in cache.pins for t in range(start, min(end, n))})
+    if not wanted:
+        return None
+    first = None
+    for layer in range(len(cache.layers)):
+        ids = cache.token_ids(layer)
+        held = torch.zeros(1, len(wanted), dtype=torch.bool) if ids is None else \
+            (ids[0, :, :, None].cpu() == torch.tensor(wanted)).any(dim=1)  # [kv_heads, wanted]
+        missing = (~held.all(dim=0)).nonzero()
+        if len(missing):
+            first = min(first if first is not None else n, wanted[int(missing[0])])
+    return first
+
+
 class Timeline:
     def __init__(self, model, tokenizer, cache_config, batcher=None):
         self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
@@ -77,11 +95,14 @@ class Timeline:
             if a != b:
                 break
             common += 1
+        broken = first_missing_pin(self.cache, common)  # pinned after some of its tokens were evicted
+        if broken is not None:
+            common = broken
         if common < len(self.fed):
             self.go_back(common)
             self.cache.set_pins(pins)  # a snapshot brings its own pins back
         parts, pos = [], 0  # what is missing of each segment
-        for ids, role, turn in segments:
+        for ids, role, turn, *_ in segments:
             if pos + len(ids) > len(self.fed):
                 parts.append((ids[max(0, len(self.fed) - pos) :], role, turn))
             pos += len(ids)

@@ -236,7 +236,7 @@ class Api:
                 if not job.cancelled.is_set():
                     self.check_prompt_size(job)
                     session, _ = self.pool.acquire("text" if job.kind != "chat" else "chat", job.cache,
-                                                   job.system_prompt, job.messages)
+                                                   job.system_prompt, job.messages, job.client)
                     answer(session, job, emit, self.stop_ids)
             except ApiError as e:
                 emit(("error", e))
@@ -253,6 +253,7 @@ class Api:
         emit(("done",))
 
     async def run(self, request, job):
+        job.client = client_name(request.headers)
         loop = asyncio.get_running_loop()
         events = asyncio.Queue()
 
@@ -276,6 +277,30 @@ class Api:
             return await reply.whole(events, request, headers)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(reply.sse(events), media_type="text/event-stream", headers=headers)
+
+
+# frontends the page names in its list of live conversations when a request mentions them
+KNOWN_CLIENTS = ("SillyTavern", "Open WebUI", "LibreChat", "LobeChat", "Chatbox", "KoboldAI", "Agnaistic", "RisuAI",
+                 "Msty", "AnythingLLM")
+
+
+def client_name(headers):
+    """Who sent a request, in a word the page can show: the X-Title header (OpenRouter's
+    convention, which SillyTavern and others send), a known frontend named in the User-Agent,
+    Referer or Origin, else the User-Agent's first product ("OpenAI/Python 1.99" -> "OpenAI/Python"),
+    else None."""
+    title = headers.get("x-title", "").strip()
+    if title:
+        return title[:40]
+    def letters(text):  # "Open WebUI", "open-webui" and "OpenWebUI" all read "openwebui"
+        return "".join(c for c in text.lower() if c.isalnum())
+
+    said = letters(" ".join(headers.get(name, "") for name in ("user-agent", "referer", "origin")))
+    known = next((name for name in KNOWN_CLIENTS if letters(name) in said), None)
+    if known:
+        return known
+    agent = headers.get("user-agent", "").split()
+    return agent[0][:40] if agent else None
 
 
 async def next_event(events, request, job):

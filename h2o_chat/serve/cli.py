@@ -2,9 +2,11 @@
 serve the chat UI with the OpenAI-compatible /v1 API beside it. `h2o-chat --help` for the flags."""
 
 import argparse
+import errno
 import hmac
 import ipaddress
 import os
+import socket
 import sys
 import tempfile
 from dataclasses import fields
@@ -103,6 +105,23 @@ def check_data_dir(path):
                          "h2o-chat may write, e.g. --data-dir ~/h2o-chat") from None
 
 
+def check_port(host, port):
+    """The address can be listened on: else one line naming --port, before the model loads (Gradio's
+    own refusal is a traceback that points at GRADIO_SERVER_PORT, which this app does not read)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+            probe.bind((host, port))
+    except OSError as e:
+        raise ValueError(port_taken(host, port, e)) from None
+
+
+def port_taken(host, port, error):
+    in_use = error.errno in (errno.EADDRINUSE, None)  # None: Gradio's own "Cannot find empty port"
+    reason = "is in use (another h2o-chat?)" if in_use else f"cannot be used ({error.strerror})"
+    return f"port {port} on {host} {reason}: start with another, e.g. --port {port + 1}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     from ..cache.config import APP_FIELDS, CacheConfig
@@ -126,6 +145,7 @@ def main(argv=None):
             raise ValueError("--max-prompt-tokens must be at least 1")
         check_exposure(args)
         check_data_dir(args.data_dir)
+        check_port(args.host, args.port)
         quantization = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
         model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization,
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
@@ -133,18 +153,23 @@ def main(argv=None):
         sys.exit(f"h2o-chat: {e}")
     from ..chat.batch import Batcher
     batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
-    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher)
-    demo.queue(default_concurrency_limit=args.concurrency)
     from .api import create_router
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
                         closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher,
                         max_prompt_tokens=args.max_prompt_tokens)
+    # the page lists the API's live conversations and can watch one (ui/ never imports serve/: it is handed this)
+    demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher,
+                 watchable=api.pool.watchable)
+    demo.queue(default_concurrency_limit=args.concurrency)
     login = page_login(auth, args.api_key)
     message = "Any user name, and the server's API key as the password." if callable(login) else None
     # every network setting explicit, so no GRADIO_* environment variable can widen them; server-side
     # rendering would start a Node server that listens where GRADIO_SERVER_NAME says, not --host
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=login, auth_message=message,
-                css=CSS, head=HEAD, show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # the API beside
+    try:
+        demo.launch(server_name=args.host, server_port=args.port, share=args.share, auth=login, auth_message=message,
+                    css=CSS, head=HEAD, show_error=True, ssr_mode=False, app_kwargs={"routes": api.routes})  # /v1 beside
+    except OSError as e:  # taken while the model loaded
+        sys.exit(f"h2o-chat: {port_taken(args.host, args.port, e)}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class SessionPool:
         self.max_kv_bytes = max_kv_bytes
         self._sessions = []  # least recently used first
         self._lent = set()  # ids of sessions a request holds now
+        self._clients = {}  # id(session) -> the client that last used it ("SillyTavern"), for the page's list
         self._released = threading.Condition()  # guards the two lists; notified when a session is given back
 
     def __len__(self):
@@ -78,13 +79,20 @@ class SessionPool:
         with self._released:
             return [(s, id(s) in self._lent) for s in self._sessions]
 
-    def acquire(self, kind, cache, system_prompt, messages):
+    def watchable(self):
+        """(session, client) for every live session, most recently used first: what the page lists
+        and can watch. Reading a session this way takes no lock of it and changes nothing."""
+        with self._released:
+            return [(s, self._clients.get(id(s))) for s in reversed(self._sessions)]
+
+    def acquire(self, kind, cache, system_prompt, messages, client=None):
         """Lend the idle session of this kind and cache setting that shares the most tokens with
         the request (a new one when none shares any); when a lent one shares more (a swipe sent
         right after a stop), wait up to LENT_WAIT_S for it. Returns (session, forked): forked is
         True when a lent session's history is rewritten before its last exchange (a new
         conversation that starts like an old one, an old message edited): it is then saved under
-        a new id, so the conversation it held stays in the saved list."""
+        a new id, so the conversation it held stays in the saved list. client: who asks (for the
+        page's list of live conversations)."""
         config = cache_config(cache)
         deadline = time.monotonic() + LENT_WAIT_S
         with self._released:
@@ -111,6 +119,7 @@ class SessionPool:
                 forked = kind == "chat" and kept < len(best.history) - 2  # more than a regenerate or an edit of the last exchange
             self._sessions.append(best)
             self._lent.add(id(best))
+            self._clients[id(best)] = client
         if forked:
             best.conversation.become_fork()  # saved under a new id: the old file keeps the old story
         return best, forked
@@ -134,6 +143,7 @@ class SessionPool:
                 continue
             total -= session_kv_bytes(session)
             self._sessions.remove(session)
+            self._clients.pop(id(session), None)
             session.close()  # frees the cache now; the transcript stays saved
 
 

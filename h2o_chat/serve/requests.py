@@ -96,6 +96,7 @@ class Job:
     ignore_eos: bool = False  # the end-of-turn tokens are never drawn (llama.cpp's ignore_eos, ban_eos_token)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sessions: list = field(default_factory=list)
+    client: str | None = None  # who sent it (client_name), for the page's list of live conversations
 
     def cancel(self):
         """The client has gone: stop now (safe from any thread, at any point of the job)."""

@@ -7,14 +7,16 @@ round trip, so nothing typed after Enter is lost), then `reply` streams on the s
 never touches the box again, except to put back a message the session refuses (with a warning).
 """
 
+import threading
 import time
 from dataclasses import dataclass
 
 import gradio as gr
 
-from .state import CHAT_EVERY_S, PANEL_EVERY_S, warn
+from .state import CHAT_EVERY_S, PANEL_EVERY_S, Watched, replaying, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
+LABEL = "h2o-chat"
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
 # box as it was when Enter went down (assets/app.js); keys typed since then stay in the box.
 SEND_JS = """(text) => {
@@ -37,7 +39,7 @@ class Chat:
 
 
 def build():
-    chatbot = gr.Chatbot(label="h2o-chat", height=520, buttons=["copy"], editable="all", elem_id="chat",
+    chatbot = gr.Chatbot(label=LABEL, height=520, buttons=["copy"], editable="all", elem_id="chat",
                          feedback_options=(PIN, UNPIN), like_user_message=True, autoscroll=True)
     text = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter makes a new line)", show_label=False,
                       lines=1, max_lines=10, elem_id="message", autofocus=True)
@@ -49,6 +51,13 @@ def build():
     return Chat(chatbot, text, send_btn, stop_btn, cont_btn, new_btn)
 
 
+def label(session):
+    """The chat's label: the app's name, or, for a watched /v1 conversation, whose it is and that it is read-only."""
+    if isinstance(session, Watched):
+        return f"Watching /v1 · {session.client or 'an API client'} · read-only"
+    return LABEL
+
+
 def message_text(value):
     """The text of an edited message as the Chatbot sends it (a string or typed parts)."""
     if isinstance(value, dict):
@@ -56,6 +65,30 @@ def message_text(value):
     if isinstance(value, list):
         value = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in value)
     return value
+
+
+class OnePerClick:
+    """Gradio 6.31's Chatbot sends the like event of an extra feedback option (Pin / Unpin) twice
+    per click: the option's click handler calls `handle_action` inside its toggle and again right
+    after it (the frontend's Index-*.js: `d(C(n)), t.handle_action(...)`), and the event's trigger
+    mode cannot stop the second because the first is not yet registered as pending. Both copies
+    ran at once on the tab's conversation (a "changed elsewhere" warning, a "(copy)" fork, every
+    warning twice). The copy is the same tab, message and choice as the event just before it,
+    within milliseconds: `first` lets one through."""
+
+    WINDOW_S = 1.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last = {}  # tab (its session hash) -> (what it asked, when)
+
+    def first(self, tab, what):
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(tab)
+            self._last = {t: v for t, v in self._last.items() if now - v[1] < self.WINDOW_S}
+            self._last[tab] = (what, now)
+            return last is None or last[0] != what or now - last[1] >= self.WINDOW_S
 
 
 def pin_wanted(liked):
@@ -90,10 +123,25 @@ def stream_into(tab, session, state, stream, saved):
 
 
 # --- callbacks (app: state.App, tab: page.Tab) --------------------------------------------------
+CHANGED_ELSEWHERE = ("This conversation was changed in another tab; here it is as saved now. Do it again if you "
+                     "still want to.")
+
+
+def caught_up(session, progress=None):
+    """Two tabs on one conversation share it: before acting, a tab whose copy is older than the
+    saved one takes the saved one (only what differs is fed). True when it did."""
+    if session is None:
+        return False
+    with replaying(session, progress, "Catching up with another tab"):
+        return session.catch_up()
+
+
 def ensure_session(app, tab, session, conversation_id, progress=None):
-    """The tab's session; a tab whose server restarted has none: reopen the conversation the
-    browser remembers (a replay), or start a new one."""
+    """The tab's session, caught up with other tabs on its conversation (a message is then sent
+    after theirs); a tab whose server restarted has none: reopen the conversation the browser
+    remembers (a replay), or start a new one."""
     if session is not None:
+        caught_up(session, progress)
         return session
     if app.is_saved(conversation_id):
         return app.open(conversation_id, progress)
@@ -137,6 +185,9 @@ def act(tab, session, state, action):
         warn("Nothing to do yet: send a message first.")
         return tab.streamed(session, state, saved=False)
     try:
+        if caught_up(session):  # the message acted on may not be where the tab showed it
+            warn(CHANGED_ELSEWHERE)
+            return tab.streamed(session, state)
         action(session)
     except ValueError as e:
         warn(e)
@@ -151,6 +202,10 @@ def run_stream(tab, session, state, start):
         yield tab.streamed(session, state, saved=False)
         return
     try:
+        if caught_up(session):  # the last reply is maybe not the one the tab showed
+            warn(CHANGED_ELSEWHERE)
+            yield tab.streamed(session, state)
+            return
         stream = start(session)
     except ValueError as e:
         warn(e)
@@ -164,8 +219,13 @@ def edit(tab, session, state, turn, text):
     return act(tab, session, state, lambda s: s.edit(_turn(turn), text))
 
 
-def pin(tab, session, state, turn, pinned):
-    return act(tab, session, state, lambda s: s.pin(_turn(turn), pinned=pin_wanted(pinned)))
+def pin(tab, session, state, turn, pinned, progress=None):
+    """A message pinned after some of its tokens were evicted is fed again before the pin is set:
+    `progress` shows that replay."""
+    def pin_it(s):
+        with replaying(s, progress, "Bringing the pinned message back into every head"):
+            s.pin(_turn(turn), pinned=pin_wanted(pinned))
+    return act(tab, session, state, pin_it)
 
 
 def _turn(turn):
@@ -206,19 +266,40 @@ def wire(app, tab, c, session, conversation_id, state):
         for out in run_stream(tab, session, state, lambda s: s.continue_reply()):
             yield tab.live(out)
 
-    def undone(session, state, data: gr.UndoData):
-        return act(tab, session, state, lambda s: s.undo())
+    def undone(session, state, typed, data: gr.UndoData):
+        """Undo takes the last exchange back, and its message goes back into the box (before
+        anything typed there since), to edit and send again."""
+        before = list(session.messages) if session is not None else []
+        shown = act(tab, session, state, lambda s: s.undo())
+        taken = [m.content for m in before[len(session.messages):] if m.role == "user"] if session is not None else []
+        if taken:
+            shown[c.text] = taken[-1] + (f"\n\n{typed}" if typed and typed.strip() else "")
+        return shown
 
-    def edited(session, state, data: gr.EditData):
-        return edit(tab, session, state, data.index, data.value)
+    def edited(session, state, typed, data: gr.EditData):
+        """An edit refused (too long, no longer fitting its pin) leaves the message as it was: the
+        text typed in the edit goes to the box, so nothing typed is lost."""
+        shown = edit(tab, session, state, data.index, data.value)
+        text, messages = message_text(data.value), session.messages if session is not None else []
+        index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+        kept = isinstance(index, int) and 0 <= index < len(messages) and messages[index].content == text
+        if isinstance(text, str) and text.strip() and not kept:
+            shown[c.text] = text + (f"\n\n{typed}" if typed and typed.strip() else "")
+        return shown
 
-    def liked(session, state, data: gr.LikeData):
-        return pin(tab, session, state, data.index, data.liked)
+    one_per_click = OnePerClick()
+
+    def liked(session, state, data: gr.LikeData, request: gr.Request, progress=gr.Progress()):
+        if not one_per_click.first(request.session_hash, (str(data.index), str(data.liked))):
+            return {tab.session: gr.skip()}  # the same click's second copy (see OnePerClick): nothing changes
+        return pin(tab, session, state, data.index, data.liked, progress)
 
     streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")
     tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))
     tab.charts_after(tab.charts_after(c.cont_btn.click(continued, **streams)))
     io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private")
-    tab.charts_after(c.chatbot.undo(undone, **io))
-    tab.charts_after(c.chatbot.edit(edited, **io))
+    tab.charts_after(c.chatbot.undo(undone, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
+                                    **limit, api_visibility="private"))
+    tab.charts_after(c.chatbot.edit(edited, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
+                                    **limit, api_visibility="private"))
     tab.charts_after(c.chatbot.like(liked, **io))

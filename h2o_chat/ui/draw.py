@@ -190,23 +190,28 @@ def top_heavy(ledger, retention, layer=None, head=None, k=10):
 SERIES = ("this cache", "a full cache")
 
 
-def memory_rows(points):
-    """Chart rows per point (after each reply, and now): slots per head and KV MiB for this
-    cache and for a full cache, against tokens seen. Points whose token count is not above the
-    one before it come from before an undo or a replay and are dropped (no false falling line).
-    Both lines start at the origin (no tokens, no memory: true of every cache), so even the
-    first reply draws a line rather than a lone point."""
-    rows, last = [], 0
-    if points:
-        rows += [{"tokens seen": 0, "cache": name, "KV MiB": 0.0, "slots per head": 0} for name in SERIES]
-    for s in points:
-        if s["tokens_seen"] <= last:
-            continue
-        last = s["tokens_seen"]
-        rows.append({"tokens seen": s["tokens_seen"], "cache": SERIES[0], "KV MiB": round(s["kv_bytes"] / 2**20, 3),
-                     "slots per head": s["slots_used"]})
-        rows.append({"tokens seen": s["tokens_seen"], "cache": SERIES[1],
-                     "KV MiB": round(s["full_kv_bytes"] / 2**20, 3), "slots per head": s["tokens_seen"]})
+def memory_rows(stats, budget):
+    """Chart rows: slots per KV head and KV MiB against tokens seen, for this cache and for a full
+    one, exact at every token seen. A bounded cache takes one slot per token until its budget and
+    then holds it: a straight line to the knee at (budget, budget), flat after it; a full cache
+    grows with every token. So the rows are the breakpoints, the origin, the knee and now (read
+    off the cache: its slots and bytes), drawn from the tokens seen and the budget alone: the
+    first reply already shows the knee, and a replay redraws the whole history, not just since.
+    stats: ChatSession.stats; budget: slots per head (None: never evicts)."""
+    n = stats["tokens_seen"]
+    if n == 0:
+        return []
+    per_token = stats["full_kv_bytes"] / n  # a token's keys and values in every layer and KV head
+    xs = sorted({0, n} | ({budget} if budget is not None and budget < n else set()))
+    rows = []
+    for x in xs:
+        slots = x if budget is None else min(x, budget)
+        kv = stats["kv_bytes"] if x == n else slots * per_token
+        if x == n:
+            slots = stats["slots_used"]
+        rows.append({"tokens seen": x, "cache": SERIES[0], "KV MiB": round(kv / 2**20, 3), "slots per head": slots})
+        rows.append({"tokens seen": x, "cache": SERIES[1], "KV MiB": round(x * per_token / 2**20, 3),
+                     "slots per head": x})
     return rows
 
 
@@ -247,16 +252,36 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
             f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
 
 
+def pins_note(session, retention):
+    """What the stats say of the pins (the Chatbot cannot mark a user message): " · pinned (never
+    evicted): message 1, the system prompt". It is read off the cache, never assumed: a pinned
+    message that some layer or KV head lacks a token of is named apart, with how many are missing."""
+    kept, n = retention["kept"], retention["kept"].shape[2]
+    whole, broken = [], []
+    for start, end in session.cache.pins:
+        if start >= n:
+            continue  # not fed yet
+        system = start == 0 and session.settings.system_prompt_pinned
+        name = "the system prompt" if system else f"message {session.ledger.turns[start] + 1}"
+        missing = int((~kept[:, :, start : min(end, n)]).sum())
+        (broken if missing else whole).append((name, missing))
+    note = " · pinned (never evicted): " + ", ".join(name for name, _ in whole) if whole else ""
+    if broken:
+        note += " · pinned, not whole: " + ", ".join(f"{name} ({missing:,} layer/head/token entries missing)"
+                                                     for name, missing in broken)
+    return note
+
+
 def panel(session, layer=None, head=None, live=None, maps=True):
     """Everything the panel shows for a session, drawn as strings and plain rows (no tensors).
-    The charts plot the session's points (it starts them again after a replay) and now.
+    The charts are drawn from the cache's budget and the tokens seen now (memory_rows).
     maps=False leaves the token map and the retention map empty: the costly parts on a long chat,
     not needed to draw the charts alone."""
     retention = session.ledger.retention(session.cache)
-    points = session.turn_stats + [session.stats]  # the live point moves as a reply streams
+    stats, limits = session.stats, session.cache.limits
     return {"token_map": token_map(session.ledger, retention, layer, head) if maps else "",
             "retention_map": retention_map_html(retention, layer) if maps else "",
-            "stats": stats_markdown(session.stats, retention, layer, head, live),
-            "memory": memory_rows(points),
+            "stats": stats_markdown(stats, retention, layer, head, live) + pins_note(session, retention),
+            "memory": memory_rows(stats, limits.budget if limits is not None else None),
             "heavy": top_heavy(session.ledger, retention, layer, head),
             "legend": legend_html(session.cache_config.policy)}

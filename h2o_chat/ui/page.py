@@ -12,10 +12,11 @@ from pathlib import Path
 import gradio as gr
 
 from ..chat.conversation import cache_config
+from ..chat.template import SYSTEM
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
-from .state import BROWSER_KEY, App, chat_view, new_view, tell, warn
+from .state import BROWSER_KEY, VIEW_KEY, WATCH_EVERY_S, App, Watched, chat_view, new_view, replaying, tell, warn
 
 # The page's CSS and script live in the checkout's top-level assets/ (the project's layout). An
 # installed package carries them as h2o_chat/assets/ (pyproject.toml maps that package onto
@@ -63,8 +64,8 @@ class Tab:
     def streamed(self, session, state, live=None, panel=True, saved=True):
         """The update after a chat action; panel=False leaves the panel, saved=False the saved list."""
         shown = {self.session: session, self.chat.chatbot: chat_view(session)}
-        if session is not None and session.messages:
-            shown[self.conversation_id] = session.id
+        if session is not None and session.messages and not isinstance(session, Watched):
+            shown[self.conversation_id] = session.id  # what the browser reopens (never a watched /v1 one)
         if saved:
             tell(session)
             shown[self.settings.saved] = gr.Dropdown(choices=self.app.saved())
@@ -92,14 +93,18 @@ class Tab:
         return self.streamed(session, state) | ui_settings.values(self.settings, session)
 
 
-def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None):
+def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None,
+          watchable=None):
     """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
-    ChatSession arguments (sampling, system prompt)."""
-    app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher)
+    ChatSession arguments (sampling, system prompt); watchable: () -> [(session, client)], the
+    conversations the /v1 API holds live (SessionPool.watchable), listed and watchable in the page."""
+    app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher,
+              watchable)
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
         session = gr.State(None, delete_callback=lambda s: s.close() if s is not None else None)
         state = gr.State(new_view())  # the panel's layer and head, per tab
         conversation_id = gr.BrowserState(None, storage_key=BROWSER_KEY, secret=app.browser_secret())
+        view = gr.BrowserState(None, storage_key=VIEW_KEY)  # the layer and head picked last, for a reload
         with gr.Row():
             with gr.Column(scale=3, min_width=320):
                 chat = ui_chat.build()
@@ -108,10 +113,12 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
                 panel = ui_panel.build(app.n_layers, app.n_heads, cache_config(dict(cache_defaults)).policy)
         tab = Tab(app, session, conversation_id, state, chat, settings, panel)
         ui_chat.wire(app, tab, chat, session, conversation_id, state)
-        ui_panel.wire(panel, session, state, app.n_layers, app.n_heads, tab.charts_after)
-        load = wire_conversation(app, tab, session, conversation_id, state)
-        tab.charts_after(demo.load(load, inputs=[conversation_id, state], outputs=tab.everything_outputs(),
-                                   api_visibility="private"))
+        ui_panel.wire(panel, session, state, app.n_layers, app.n_heads, tab.charts_after, view)
+        watching = wire_watch(app, tab, session, state)
+        load = wire_conversation(app, tab, session, conversation_id, state, watching)
+        watching(tab.charts_after(demo.load(load, inputs=[conversation_id, state, view],
+                                            outputs=[*tab.everything_outputs(), panel.layer, panel.head],
+                                            api_visibility="private")))
         wire_api(app, tab, session, state)
 
         def tab_closed(request: gr.Request):
@@ -126,21 +133,63 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
     return demo
 
 
-def wire_conversation(app, tab, session, conversation_id, state):
+def wire_watch(app, tab, session, state):
+    """Watching a /v1 conversation (a Watched in the tab's session): a timer redraws the chat and
+    the whole panel while it is watched, and only when something changed. Returns `watching(event)`:
+    after `event`, the timer runs if and only if the tab is left watching."""
+    timer = gr.Timer(WATCH_EVERY_S, active=False)
+
+    def tick(current, state):
+        if not isinstance(current, Watched):
+            return {timer: gr.Timer(active=False)}
+        if not app.still_live(current):
+            warn("That /v1 conversation is no longer live (the API let it go to free memory); it is saved: "
+                 "Restore opens it.")
+            own = current.own or app.new_session()
+            return {**tab.everything(own, state), tab.chat.chatbot: gr.Chatbot(chat_view(own), label=ui_chat.label(own)),
+                    timer: gr.Timer(active=False)}
+        if not current.changed():
+            return {timer: gr.skip()}  # nothing new: nothing sent
+        return tab.streamed(current, state, live=current.live_figures(), saved=False)
+
+    def charts(current, state):
+        """The charts again after a tick that drew (see Tab.charts_after): else nothing is sent."""
+        if isinstance(current, Watched) and current.charts_due():
+            return tab.charts(current, state)
+        return {chart: gr.skip() for chart in tab.panel.charts}
+
+    timer.tick(tick, inputs=[session, state], outputs=[*tab.everything_outputs(), timer], api_visibility="private",
+               show_progress="hidden", concurrency_limit=None).then(
+        charts, inputs=[session, state], outputs=tab.panel.charts, queue=False, api_visibility="private",
+        show_progress="hidden")
+
+    def follow(current):
+        """The timer runs while the tab watches; the chat's label says whose conversation it shows."""
+        return gr.Timer(active=isinstance(current, Watched)), gr.Chatbot(label=ui_chat.label(current))
+
+    def watching(event):
+        return event.then(follow, inputs=session, outputs=[timer, tab.chat.chatbot], queue=False,
+                          api_visibility="private", show_progress="hidden")
+    return watching
+
+
+def wire_conversation(app, tab, session, conversation_id, state, watching):
     """Load (reload, restarted server), New chat, Restore and the two Apply buttons: each fills
-    every field from the conversation it leaves the tab on."""
+    every field from the conversation it leaves the tab on. Restore of a live /v1 conversation
+    watches it (read-only); New chat, Restore of a saved one and a reload go back to writing."""
     s, c = tab.settings, tab.chat
     limit = dict(concurrency_limit=app.concurrency, concurrency_id="generate")
     everything = tab.everything_outputs()
 
-    def load(conversation_id, state, progress=gr.Progress()):
+    def load(conversation_id, state, view, progress=gr.Progress()):
+        state.update(ui_panel.remembered_view(view, app.n_layers, app.n_heads))  # the view picked before the reload
         fresh = app.new_session()
         if app.is_saved(conversation_id):
             try:
                 fresh = app.open(conversation_id, progress)
             except ValueError as e:
                 warn(e)
-        return tab.everything(fresh, state)
+        return tab.everything(fresh, state) | ui_panel.pickers(tab.panel, state)
 
     def new_chat(old, state):
         if old is not None:
@@ -152,6 +201,9 @@ def wire_conversation(app, tab, session, conversation_id, state):
         if old is not None and old.id == chosen:
             warn("That conversation is the one open now.")
             return tab.everything(old, state)
+        watched = app.watch(chosen, old.own if isinstance(old, Watched) else old)
+        if watched is not None:  # the tab's own session waits in it, open
+            return tab.everything(watched, state)
         try:
             restored = app.open(chosen, progress)
         except ValueError as e:
@@ -163,31 +215,55 @@ def wire_conversation(app, tab, session, conversation_id, state):
 
     def apply_cache(current, state, progress=gr.Progress(), *typed):  # Gradio finds progress among the positionals
         current = current or app.new_session()
-        current.on_progress = lambda done, total: progress(done / max(total, 1), desc="Replaying the chat")
         try:
-            current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
+            ui_chat.caught_up(current, progress)  # settings apply to the conversation as saved, other tabs' turns too
+            with replaying(current, progress):
+                current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
         except ValueError as e:
-            warn(e)
-        finally:
-            current.on_progress = None
+            return refused(e, current, state)
+        gr.Info(ui_settings.applied_cache(current))
         return tab.everything(current, state)
 
     def apply_sampling(current, state, system_prompt, *typed):
         current = current or app.new_session()
         try:
+            ui_chat.caught_up(current)
             current.configure(**ui_settings.sampling_settings(current, system_prompt, dict(zip(s.sampling, typed))))
         except ValueError as e:
-            warn(e)
+            return refused(e, current, state)
+        gr.Info(ui_settings.applied_sampling(current))
         return tab.everything(current, state)
 
-    tab.charts_after(c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit,
-                                     api_name="new_chat"))
-    tab.charts_after(s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything, **limit,
-                                         api_name="restore"))
+    def refused(error, current, state):
+        """An Apply refused: the sentence, and the fields left as typed (so nothing typed is lost)."""
+        warn(error)
+        return tab.streamed(current, state)
+
+    watching(tab.charts_after(c.new_btn.click(new_chat, inputs=[session, state], outputs=everything, **limit,
+                                              api_name="new_chat")))
+    watching(tab.charts_after(s.restore_btn.click(restore, inputs=[session, state, s.saved], outputs=everything,
+                                                  **limit, api_name="restore")))
+    # the list is read when it is opened: the /v1 API's conversations come and go
+    s.saved.focus(lambda: gr.Dropdown(choices=app.saved()), outputs=s.saved, queue=False, api_visibility="private")
     tab.charts_after(s.cache_btn.click(apply_cache, inputs=[session, state, *s.cache.values()], outputs=everything,
                                        **limit, api_name="apply_cache"))
     tab.charts_after(s.sampling_btn.click(apply_sampling, inputs=[session, state, s.system_prompt, *s.sampling.values()],
                                           outputs=everything, **limit, api_name="sampling"))
+
+    def pin_system_prompt(current, state, pinned, progress=gr.Progress()):
+        current = current or app.new_session()
+        try:
+            ui_chat.caught_up(current, progress)
+            with replaying(current, progress, "Bringing the system prompt back into every head"):
+                current.pin(SYSTEM, bool(pinned))
+        except ValueError as e:
+            warn(e)
+        return {**tab.streamed(current, state), s.pin_system_prompt: current.settings.system_prompt_pinned}
+
+    # applied at once, as a message's Pin is; .input: the user's click, not the page filling it in
+    tab.charts_after(s.pin_system_prompt.input(pin_system_prompt, inputs=[session, state, s.pin_system_prompt],
+                                               outputs=[*tab.streamed_outputs(), s.pin_system_prompt], **limit,
+                                               api_visibility="private"))
     s.export_btn.click(ui_settings.export, inputs=session, outputs=[s.export_md, s.export_json], api_name="export")
     return load
 
@@ -207,8 +283,8 @@ def wire_api(app, tab, session, state):
     def edit(session, state, turn, text):
         return ui_chat.edit(tab, session, state, turn, text)
 
-    def pin(session, state, turn, pinned):
-        return ui_chat.pin(tab, session, state, turn, pinned)
+    def pin(session, state, turn, pinned, progress=gr.Progress()):
+        return ui_chat.pin(tab, session, state, turn, pinned, progress)
 
     send_btn.click(send, inputs=[text_box, session, state], outputs=[text_box, *tab.streamed_outputs()], **limit,
                    api_name="send")

@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..cache.config import CacheConfig
 from . import draw
-from .state import pinned_turns, warn
+from .state import warn
 
 CHART_COLUMNS = ["tokens seen", "cache", "KV MiB", "slots per head"]
 COLOR_MAP = {draw.SERIES[0]: "#0072B2", draw.SERIES[1]: "#E69F00"}
@@ -64,7 +64,7 @@ def build(n_layers, n_heads, policy):
     retention_map = gr.HTML(elem_id="retention-map")
     # the value starts with both series (at the origin): the legend's entries are made from the
     # first value's series, and an empty first value left the legend with its title alone
-    start = pd.DataFrame(draw.memory_rows([]) or ORIGIN, columns=CHART_COLUMNS)
+    start = pd.DataFrame(ORIGIN, columns=CHART_COLUMNS)
     chart = dict(value=start, x="tokens seen", color="cache", color_map=COLOR_MAP, colors_in_legend=list(draw.SERIES),
                  x_title="tokens seen", height=260, color_title="", x_label_angle=0, tooltip="all")
     # titles inside the plot, no block label: a label pushes the plot down and clips its legend
@@ -107,9 +107,6 @@ def update(p, session, state, live=None, maps=True):
         return {p.legend: draw.legend_html(policy), **maps_update, p.stats: waiting, p.memory: _chart([], "KV MiB"),
                 p.slots: _chart([], "slots per head"), p.heavy: pd.DataFrame()}
     drawn = draw.panel(session, state["layer"], state["head"], live=live, maps=maps)
-    pins = pinned_turns(session)
-    if pins:  # the Chatbot cannot mark a user message, so the stats name the pinned ones
-        drawn["stats"] += " · pinned (never evicted): " + ", ".join(f"message {i + 1}" for i in pins)
     maps_update = {p.token_map: drawn["token_map"], p.retention_map: drawn["retention_map"]} if maps else {}
     return {p.legend: drawn["legend"], **maps_update, p.stats: drawn["stats"],
             p.memory: _chart(drawn["memory"], "KV MiB"), p.slots: _chart(drawn["memory"], "slots per head"),
@@ -118,22 +115,42 @@ def update(p, session, state, live=None, maps=True):
 
 def pick(p, session, state, layer, head, n_layers, n_heads):
     """A picker changed: check both values, then show the new view. An odd value warns and the
-    view stays as it was (an empty update)."""
+    view stays as it was."""
     try:
         new_layer = parse_pick(layer, n_layers, "Layer")
         new_head = parse_pick(head, n_heads, "KV head")
     except ValueError as e:
         warn(e)
-        return {}
+        return {p.stats: gr.skip()}  # an empty dict would read as one value, not as no update
     state.update(layer=new_layer, head=new_head if new_layer is not None else None)
     return update(p, session, state)
 
 
-def wire(p, session, state, n_layers, n_heads, charts_after):
-    """The pickers. charts_after: ui.Tab.charts_after (the charts need a second drawing)."""
+def remembered_view(remembered, n_layers, n_heads):
+    """The view a browser remembers ({"layer", "head"}, as `wire` saves it) checked against this
+    model: a view of another model's layers, or anything odd, is every layer and head."""
+    try:
+        layer = parse_pick((remembered or {}).get("layer"), n_layers, "Layer")
+        head = parse_pick((remembered or {}).get("head"), n_heads, "KV head")
+    except (ValueError, AttributeError):
+        return {"layer": None, "head": None}
+    return {"layer": layer, "head": head if layer is not None else None}
+
+
+def pickers(p, state):
+    """The pickers' values for a view state."""
+    return {p.layer: "all" if state["layer"] is None else str(state["layer"]),
+            p.head: "all" if state["head"] is None else str(state["head"])}
+
+
+def wire(p, session, state, n_layers, n_heads, charts_after, remembered):
+    """The pickers (.input: a pick by the user, not the page setting them on load). Each pick is
+    remembered by the browser (`remembered`, a BrowserState), so a reload shows the same view.
+    charts_after: ui.Tab.charts_after (the charts need a second drawing)."""
     def select(session, state, layer, head):
-        return pick(p, session, state, layer, head, n_layers, n_heads)
+        shown = pick(p, session, state, layer, head, n_layers, n_heads)
+        return {**shown, remembered: dict(state)}
 
     for picker in (p.layer, p.head):
-        charts_after(picker.change(select, inputs=[session, state, p.layer, p.head], outputs=p.shown,
-                                   api_name="select", queue=False))
+        charts_after(picker.input(select, inputs=[session, state, p.layer, p.head], outputs=[*p.shown, remembered],
+                                  api_name="select", queue=False))

@@ -26,6 +26,7 @@ SLIDERS = {"temperature": dict(minimum=0, maximum=2, step=0.05), "top_p": dict(m
 @dataclass
 class Settings:
     system_prompt: gr.Textbox
+    pin_system_prompt: gr.Checkbox
     sampling: dict  # Sampling field name -> its component, in SAMPLING_FIELDS' order
     cache: dict  # CacheConfig field name -> its component, in APP_FIELDS' order
     sampling_btn: gr.Button
@@ -38,7 +39,7 @@ class Settings:
 
     def fields(self):
         """Every field `values` fills, in the order the conversation-level API routes answer with them."""
-        return [self.system_prompt, *self.sampling.values(), *self.cache.values()]
+        return [self.system_prompt, self.pin_system_prompt, *self.sampling.values(), *self.cache.values()]
 
 
 def field_for(setting, value=None):
@@ -61,6 +62,8 @@ def build():
     cache_settings = {f.name: f for f in fields(CacheConfig)}
     with gr.Accordion("Generation", open=False):
         system_prompt = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
+        pin_system_prompt = gr.Checkbox(label="Pin the system prompt (never evict it; without one, the model's "
+                                              "default)", elem_id="pin-system-prompt")
         with gr.Row():
             sampling = {name: field_for(sampling_settings[name], sampling_settings[name].default)
                         for name in SAMPLING_FIELDS}
@@ -78,14 +81,14 @@ def build():
             export_btn = gr.Button("Export")
             export_md = gr.File(label="Markdown")
             export_json = gr.File(label="JSON")
-    return Settings(system_prompt, sampling, cache, sampling_btn, cache_btn, saved, restore_btn, export_btn,
-                    export_md, export_json)
+    return Settings(system_prompt, pin_system_prompt, sampling, cache, sampling_btn, cache_btn, saved, restore_btn,
+                    export_btn, export_md, export_json)
 
 
 def values(s, session):
     """The fields' update, {component: value}, read from the session (the one owner of its settings).
     A recent window of None (half of what the sinks leave) shows as 0."""
-    shown = {s.system_prompt: session.system_prompt or ""}
+    shown = {s.system_prompt: session.system_prompt or "", s.pin_system_prompt: session.settings.system_prompt_pinned}
     shown |= {field: getattr(session.sampling, name) for name, field in s.sampling.items()}
     shown |= {field: getattr(session.cache_config, name) for name, field in s.cache.items()}
     shown[s.cache["n_recent"]] = session.cache_config.n_recent or 0
@@ -115,6 +118,23 @@ def sampling_settings(session, system_prompt, typed):
     if (system_prompt or None) != session.system_prompt:
         changes["system_prompt"] = system_prompt
     return changes
+
+
+def applied_cache(session):
+    """Apply's confirmation: the cache the chat now runs on."""
+    c, stats = session.cache_config, session.stats
+    recent = "half the rest" if c.n_recent is None else c.n_recent
+    return (f"Cache applied: {c.policy}, budget {c.budget}, recent window {recent}, {c.n_sink} sinks, score {c.score}, "
+            f"{c.positions} positions" + (f"; the chat was replayed ({stats['tokens_seen']:,} tokens)."
+                                          if stats["tokens_seen"] else "."))
+
+
+def applied_sampling(session):
+    """Apply's confirmation: how replies are drawn from now on."""
+    s = session.sampling
+    system = "a system prompt" if session.system_prompt else "no system prompt"
+    return (f"Generation applied: temperature {s.temperature:g}, top-p {s.top_p:g}, at most {s.max_new_tokens:,} "
+            f"new tokens, {system}.")
 
 
 def export(session):
