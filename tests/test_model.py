@@ -17,7 +17,6 @@ import torch
 from transformers import GPT2Config
 
 import h2o_chat.models.load as model_mod
-from h2o_chat.models.quantize import PACKED
 from h2o_chat.models.load import (
     EMBEDDED_INSTALL,
     SUPPORTED_MODEL_TYPES,
@@ -31,6 +30,7 @@ from h2o_chat.models.load import (
     resolve_dtype,
     resolve_spec,
 )
+from h2o_chat.models.quantize import PACKED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

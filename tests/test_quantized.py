@@ -4,7 +4,7 @@ model's own forward computes, and with nothing evicted H2OCache equals DynamicCa
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from h2o_chat import ChatSession, H2OCache
 from h2o_chat.models.decode import Decoder
@@ -124,3 +124,44 @@ def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4):
     # next bf16 value, and 30 layers carry that on; the logits agree to a few bf16 steps
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=b.abs().max().item() / 2**5, rtol=0)
+
+
+def test_odd_widths_through_the_lean_step():
+    """Hidden 40 and intermediate 72: no layer's inputs a multiple of 32 (zero-padded for both
+    kernels: the int8 one returns garbage on rows whose length is not a multiple of 16)."""
+    config = LlamaConfig(hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=256)
+    for kind in ("int4", "int8"):
+        torch.manual_seed(0)
+        model = quantized(LlamaForCausalLM(config).eval().to(torch.bfloat16), kind)
+        own, lean, equal_steps = decode_both(model, steps=16, budget=12, n_recent=4)
+        assert equal_steps == 16
+        assert_same_state(own, lean)
+
+
+def test_the_panel_and_the_api_say_which_weights_run(tmp_path):
+    import asyncio
+
+    from h2o_chat.serve.api import Api
+    from h2o_chat.ui.draw import render
+
+    model, tokenizer = make_tiny_chat()
+    quantized(model, "int8")
+    session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), max_new_tokens=4)
+    "".join(session.send("Hi"))
+    assert "· weights int8" in render(session)["stats"]
+    api = Api(model, tokenizer, dict(policy="h2o", budget=48), str(tmp_path), None, False, 1, 64, None, None)
+    assert asyncio.run(api.models(None))["data"][0]["weights"] == "int8"
+
+
+def test_the_command_line_takes_quantization_and_the_old_flags():
+    from h2o_chat.serve.cli import parse_args, quantization_of
+
+    assert quantization_of(parse_args([])) == "auto"
+    assert quantization_of(parse_args(["--quantization", "int8"])) == "int8"
+    assert quantization_of(parse_args(["--load-in-4bit"])) == "4bit"
+    assert quantization_of(parse_args(["--load-in-8bit", "--quantization", "8bit"])) == "8bit"
+    with pytest.raises(ValueError, match="--load-in-4bit is --quantization 4bit; give one of them"):
+        quantization_of(parse_args(["--load-in-4bit", "--quantization", "int4"]))
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "nf4"])

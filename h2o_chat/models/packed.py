@@ -344,24 +344,9 @@ class Int8Linear(nn.Module):
         """The kernel: rows bf16 [n, in_features] -> bf16 [n, out_features]."""
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
 
-    def lean(self, dtype):
-        """As Int4Linear.lean: rows [n, in_features] in `dtype` -> [n, out_features] in `dtype`."""
-        if not self.has_kernel:
-            return lambda rows: self(rows)
-        kernel, codes, scales, bias = torch.ops.aten._weight_int8pack_mm, self.codes, self.scales, self.bias
-        cast = dtype != COMPUTE_DTYPE
-        if not (cast or bias is not None):
-            return lambda rows: kernel(rows, codes, scales)
-
-        def call(rows):
-            y = kernel(rows.to(COMPUTE_DTYPE) if cast else rows, codes, scales)
-            y = y if bias is None else y + bias
-            return y.to(dtype) if cast else y
-        return call
-
     def dequantize(self, dtype=torch.float32):
         """W [out_features, in_features] in `dtype`."""
-        return (self.codes[:, :self.in_features].to(dtype) * self.scales.to(dtype)[:, None])
+        return self.codes[:, :self.in_features].to(dtype) * self.scales.to(dtype)[:, None]
 
     def rows(self, start, stop):
         """An Int8Linear for output rows [start, stop) that shares this one's codes and scales."""

@@ -95,11 +95,13 @@ def _row_blocks(parts):
     return all(not isinstance(p, Int4Linear) or p.packed.shape[0] % BLOCK_ROWS == 0 for p in parts)
 
 
-def weights_label(model) -> str:
-    """Which weights `model` runs, in a few words, for the panel's stats line and /v1/models:
+def weights_label(model) -> str | None:
+    """Which weights `model` runs (None: no model), in a few words, for the panel's stats line and /v1/models:
     what the loader wrote into `model.h2o_weights` ("int4: GGUF Q4_1 blocks as stored, ..."),
     else what its linear layers are: "bf16", "int8", "int4 (quantized at load)", "bitsandbytes
     Linear4bit"."""
+    if model is None:
+        return None
     written = getattr(model, "h2o_weights", None)
     if written:
         return written

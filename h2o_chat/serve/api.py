@@ -28,6 +28,7 @@ from ..cache.config import APP_FIELDS
 from ..chat.conversation import Sampling, cache_config
 from ..chat.detok import StopStrings
 from ..chat.session import ChatSession, GenerationError, check_text
+from ..models.quantize import weights_label
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -304,7 +305,7 @@ class Api:
 
     async def models(self, request):
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
-                                            "owned_by": "h2o-chat"}]}
+                                            "owned_by": "h2o-chat", "weights": weights_label(self.model)}]}
 
     async def chat_completions(self, request):
         body = await self.read_body(request)
