@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 from h2o_chat import ChatSession, H2OCache
 from h2o_chat.models.decode import Decoder
 from h2o_chat.models.load import load_model
-from h2o_chat.models.packed import Int4Embedding, Int4Linear
+from h2o_chat.models.packed import KERNEL_ROWS, Int4Embedding, Int4Linear
 from h2o_chat.models.quantize import fuse_projections, quantize_linears, weights_label
 from tests.conftest import make_tiny_chat, make_tiny_llama
 from tests.test_cache import greedy
@@ -54,16 +54,17 @@ def test_a_quantized_model_with_attention_biases():
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_nothing_evicted_equals_dynamic_cache_on_the_quantized_model(kind):
     """generate: DynamicCache and a cache that never evicts, on the same quantized model. The
-    prompt is longer than KERNEL_ROWS, so its prefill takes the dequantizing path."""
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    prompt's rows (batch x tokens) are more than KERNEL_ROWS: its prefill takes the dequantizing path."""
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert ids.numel() > KERNEL_ROWS
     expected = greedy(quantized(make_tiny_llama(), kind), ids, DynamicCache(), 48)
     model = quantized(make_tiny_llama(), kind)
-    cache = H2OCache(model, policy="h2o", budget=80, n_sink=4, n_recent=40, prefill_chunk=7)
+    cache = H2OCache(model, policy="h2o", budget=96, n_sink=4, n_recent=40, prefill_chunk=7)
     got = greedy(model, ids, cache, 48)
     assert torch.equal(got.sequences, expected.sequences)
-    for a, b in zip(got.logits, expected.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert cache.layers[0].n_slots == 24 + 48 - 1
+    for a, b in zip(got.logits, expected.logits):  # fp32 attention, bf16 kernel inputs: a few bf16 steps
+        torch.testing.assert_close(a, b, atol=b.abs().max().item() / 2**6, rtol=0)
+    assert cache.layers[0].n_slots == 40 + 48 - 1
 
 
 def test_a_chat_session_runs_on_int4_weights():

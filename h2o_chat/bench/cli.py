@@ -54,6 +54,25 @@ def cache_flag(parser, name, *flags, sweep=None, **kwargs):
     add_setting_flag(parser, setting, *flags, **kwargs)
 
 
+def quantization_flag(parser, many=False):
+    """--quantization: load_model's values (serve.cli's help); many: a comma-separated list, one arm each."""
+    from ..models.load import QUANTIZATIONS
+    from ..serve.cli import QUANTIZATION_HELP
+
+    def quantizations(text):
+        values = text.split(",")
+        unknown = [v for v in values if v not in QUANTIZATIONS]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown quantization {unknown[0]!r}; use {', '.join(QUANTIZATIONS)}")
+        return values
+
+    if many:
+        parser.add_argument("--quantization", type=quantizations, default=["auto"],
+                            help="the weights, a comma-separated list (one arm each, e.g. none,int8,auto): " + QUANTIZATION_HELP)
+    else:
+        parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+
+
 def add_quick(parser, **small):
     """--quick: these smaller settings, wherever the command line did not set them."""
     parser.add_argument("--quick", action="store_true", help="a short run: " + ", ".join(f"{k}={v}" for k, v in small.items()))
@@ -112,6 +131,7 @@ def main(argv=None):
                    help="with --llamacpp: the server's context (default: the model's trained positions, 8,192 for "
                         "the embedded model); a small one reaches the limit in a few turns")
     p.add_argument("--dtype", default="auto", help="h2o's model dtype: auto (bf16 on CPUs with native bf16), float32")
+    quantization_flag(p)
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=dialogue.run)
 
@@ -124,6 +144,7 @@ def main(argv=None):
                    help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached); "
                         "a +lean suffix (h2o+lean) decodes through models/decode.py's lean step, as the app does")
     p.add_argument("--dtype", default="auto")
+    quantization_flag(p, many=True)
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=decode.run)
 
@@ -134,6 +155,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", type=name_list, default=["dynamic", "h2o", "full", "h2o+lean", "full+lean"],
                    help="as decode's --methods; the +lean ones are what the app runs")
+    quantization_flag(p, many=True)
     p.set_defaults(run=ops.run)
 
     p = sub.add_parser("batch", parents=[shared], help="the paper's batch throughput setting (CUDA)")
@@ -160,6 +182,7 @@ def main(argv=None):
     cache_flag(p, "prefill_chunk", "--chunk")
     p.add_argument("--repeats", type=int, default=5, help="timed prefills per method (median reported)")
     p.add_argument("--no-counts", dest="counts", action="store_false", help="skip the profiled run")
+    quantization_flag(p, many=True)
     add_quick(p, tokens=[512], repeats=1)
     p.set_defaults(run=prefill_speed.run)
 

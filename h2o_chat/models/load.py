@@ -172,6 +172,11 @@ def _load_quantized(source, label, config, torch_dtype, quantization, quantizati
     try:
         if gguf_path is not None:
             model = load_gguf_model(gguf_path, config, torch_dtype, device, quantization)
+            if source.local and (Path(source.location) / "generation_config.json").is_file():
+                # what from_pretrained would have read beside the weights (the converted folder's)
+                from transformers import GenerationConfig
+
+                model.generation_config = GenerationConfig.from_pretrained(source.location)
         else:
             model = _load_weights(source, label, config, torch_dtype, quantization_config, device, device_map, remote)
             if quantization in ("int4", "int8"):

@@ -27,7 +27,10 @@ from torch.nn import functional as F
 
 GROUP = 32  # inputs sharing one (scale, zero): GGUF's block size, and the kernels' smallest group
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and zeros
-KERNEL_ROWS = 16  # at most this many rows go through the int4 kernel; more dequantize (measured crossover)
+# At most this many rows go through a kernel; more dequantize the weight for one bf16 matmul. The
+# crossovers measured on the embedded model's layers (prefill of 4-512 tokens, one thread):
+KERNEL_ROWS = 64  # int4: the kernel is faster than bf16 itself up to 64 rows, the dequantizing path from ~100
+INT8_KERNEL_ROWS = 24  # int8: at 32 rows the two take the same time, at 64 the kernel 1.35x longer
 BLOCK_ROWS = 64  # the CPU kernel's weight layout holds rows in blocks of 64 (see pack_int4_cpu)
 PACK_ROWS = 4096  # rows packed at a time: bounds the memory a large matrix needs while it is packed
 
@@ -287,7 +290,7 @@ class Int4Linear(nn.Module):
 class Int8Linear(nn.Module):
     """y = x @ W.T + bias with W [out_features, in_features] held as int8 codes [out, width] and
     one bf16 scale per output row, run by aten._weight_int8pack_mm (where this torch has no such
-    kernel for the device, and above KERNEL_ROWS rows, W is dequantized for one bf16 matmul).
+    kernel for the device, and above INT8_KERNEL_ROWS rows, W is dequantized for one bf16 matmul).
     width is in_features rounded up to 32 with zero columns: the CPU kernel returns garbage for
     rows whose length is not a multiple of 16 (measured, torch 2.13); x is padded to match."""
 
@@ -312,7 +315,7 @@ class Int8Linear(nn.Module):
     def forward(self, x):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
-        if rows.shape[0] > KERNEL_ROWS or not self.has_kernel:
+        if rows.shape[0] > INT8_KERNEL_ROWS or not self.has_kernel:
             y = F.linear(rows, self.dequantize(COMPUTE_DTYPE))
         else:
             y = self.matmul(self.pad_input(rows))
