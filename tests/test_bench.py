@@ -260,3 +260,21 @@ def test_shared_options_are_taken_before_and_after_the_subcommand(main, module, 
 def test_bench_text_is_taken_after_the_subcommand(monkeypatch):
     assert parsed(cli.main, prefill, "run", ["prefill", "--text", "t.txt"], monkeypatch).text == "t.txt"
     assert parsed(cli.main, prefill, "run", ["--text", "t.txt", "prefill"], monkeypatch).text == "t.txt"
+
+
+@pytest.mark.slow
+def test_bench_user_gguf_each_arm_in_its_own_process(tmp_path):
+    """A tiny random Q4_0 file: int4 from its blocks and dequantized, each loaded in a fresh process
+    (peak RSS is the load's alone); llama.cpp beside them where its venv is here."""
+    argv = ["--out", str(tmp_path), "user-gguf", "--shape", "tiny", "--quick", "--new-tokens", "6"]
+    if llamacpp.find_python() is not None:
+        argv.append("--llamacpp")
+    cli.main(argv)
+    data = read_results(tmp_path, "user-gguf", plot=False)
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert rows["h2o auto"]["weights"] == "int4: GGUF Q4_0 as stored (15)" and rows["h2o none"]["weights"] in ("bf16", "fp32")
+    assert rows["h2o none"]["rss_vs_none"] == "100%" and rows["h2o auto"]["peak_rss_MiB"] > 100
+    assert all(r["decode_tok_s"] > 0 and r["new_tokens"] > 0 for r in rows.values())
+    assert (tmp_path / "random-tiny-Q4_0.gguf").is_file() and data["meta"]["file_MiB"] < 1
+    if "llama.cpp" in rows:
+        assert rows["llama.cpp"]["new_tokens"] == 6 and rows["h2o auto"]["speed_vs_llamacpp"].endswith("x")

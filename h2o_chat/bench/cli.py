@@ -17,6 +17,8 @@
     soak     one session over many turns: memory, speed, reply quality
     concurrent  1, 2, 4, 8 chats at once through the API (decoded in one batch) against the
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
+    user-gguf  a Llama-3.2-1B-shaped random Q4_0 GGUF loaded at its own width against
+             dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
 Each subcommand is the module of that name (prefill-speed: prefill_speed.py). Every figure comes
 from running the model here; results go to --out as JSON and Markdown.
@@ -30,7 +32,7 @@ from dataclasses import fields
 
 from ..cache.config import CacheConfig
 from ..serve.cli import add_setting_flag
-from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak
+from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak, user_gguf
 from .common import MT_BENCH, SHAKESPEARE
 from .peers import kvpress, llamacpp
 
@@ -217,6 +219,21 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="runs of both arms per size (medians reported)")
     add_quick(p, sizes=[1, 2], turns=1, max_tokens=8, repeats=1)
     p.set_defaults(run=concurrent.run)
+
+    p = sub.add_parser("user-gguf", parents=[shared], help="a 1B-class GGUF at its own width vs dequantized vs llama.cpp")
+    p.add_argument("--file", default=None, help="a GGUF file (default: write a random one into --out)")
+    p.add_argument("--shape", default="llama-1b", choices=sorted(user_gguf.SHAPES), help="the random file's shape")
+    p.add_argument("--block-type", default="Q4_0", help="the random file's linear weights (Q4_0, Q4_1, Q8_0, Q5_0, F16)")
+    quantization_flag(p, many=True)
+    p.set_defaults(quantization=["auto", "none"])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="runs of every arm, interleaved (medians reported)")
+    p.add_argument("--threads", type=int, default=None, help="threads of every arm (default: torch's)")
+    p.add_argument("--llamacpp", nargs="?", const="", default=None, metavar="PYTHON",
+                   help=f"also llama.cpp's server on the file (xllamacpp venv: PYTHON, ${llamacpp.ENV_VAR} or "
+                        f"{llamacpp.DEFAULT_PYTHON})")
+    add_quick(p, new_tokens=16, repeats=1)
+    p.set_defaults(run=user_gguf.run)
 
     args = parser.parse_args(argv)
     apply_quick(args, argv)
