@@ -36,8 +36,7 @@ def test_bench_decode(tiny_model_dir, play_text, tmp_path):
     assert {(r["seen"], r["method"], r["quantization"]) for r in rows} == {
         (s, m, q) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict", "h2o+lean")
         for q in ("none", "int8", "int4")}
-    assert data["meta"]["weights"] == {"none": "fp32", "int8": "int8 (quantized at load from float32)",
-                                       "int4": "int4 (quantized at load from float32)"}
+    assert data["meta"]["weights"] == {"none": "fp32", "int8": "int8, lm_head fp32", "int4": "int4, lm_head fp32"}
     assert all(r["vs_none"] == "1.00x" for r in rows if r["quantization"] == "none")
     by = {(r["seen"], r["method"]): r for r in rows if r["quantization"] == "none"}
     # the H2O cache holds 16 slots per layer and head, the full ones everything

@@ -14,7 +14,7 @@ from h2o_chat.models import packed as packed_mod
 from h2o_chat.models.decode import Decoder
 from h2o_chat.models.gguf import GGUFWeights, read_header
 from h2o_chat.models.load import ModelLoadError, load_model
-from h2o_chat.models.packed import Int4Embedding, Int4Linear, Int8Linear
+from h2o_chat.models.packed import Int4Linear, Int8Linear, PackedEmbedding
 from h2o_chat.models.quantize import weights_label
 
 
@@ -40,7 +40,7 @@ def test_a_gguf_loads_at_its_own_width(files, kind, repeats):
     packed = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert not linears and len(packed) == 2 * 7 + 1 and all(m.repeats == repeats for m in packed)
     embed = model.get_input_embeddings()
-    assert isinstance(embed, Int4Embedding) and embed.table is model.lm_head
+    assert isinstance(embed, PackedEmbedding) and embed.table is model.lm_head
     assert weights_label(model) == f"int4: GGUF {kind} {'as stored' if repeats == 1 else 'as two exact int4 halves'} (15)"
 
     dense, _ = load_model(files[kind], dtype="float32", quantization="none")
@@ -53,10 +53,12 @@ def test_int8_and_int4_of_a_gguf_and_the_lean_step(files):
     """quantization="int8" / "int4": every linear packed whatever the file holds; the lean step
     decodes the same tokens as the model's own forward."""
     model, tokenizer = load_model(files["Q8_0"], quantization="int8")
-    assert {type(m) for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))} == {Int8Linear}
-    assert weights_label(model) == "int8: GGUF Q8_0 quantized to int8 (15)"
+    layers = [m for m in model.model.layers.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert len(layers) == 14 and all(isinstance(m, Int8Linear) for m in layers)
+    assert model.lm_head.repeats == 2  # the lm_head keeps its exact path
+    assert weights_label(model) == "int8: GGUF Q8_0 quantized to int8 (14), Q8_0 as two exact int4 halves (1)"
     model, tokenizer = load_model(files["F16"], quantization="int4")
-    assert weights_label(model) == "int4: GGUF F16 quantized to int4 (15)"
+    assert weights_label(model) == "int4: GGUF F16 quantized to int4 (14), F16 kept (1)"
     own, lean = H2OCache(model, budget=32), H2OCache(model, budget=32)
     decoder = Decoder(model)
     assert decoder.why_not is None and decoder.packed
@@ -74,14 +76,17 @@ def test_float_weights_stay_float_under_auto(files):
     model, _ = load_model(files["F16"], dtype="float32")
     assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
     assert weights_label(model) == "float32: GGUF F16 kept (15)"
+    assert model.get_input_embeddings().weight is model.lm_head.weight  # tied: one table
 
 
 def test_other_block_types_are_quantized_again_with_one_log_line(files, caplog):
     with caplog.at_level(logging.WARNING, logger="h2o_chat"):
         model, _ = load_model(files["Q5_0"])
     lines = [r.getMessage() for r in caplog.records if r.name == "h2o_chat"]
-    assert lines == ["h2o-chat: tiny-Q5_0.gguf: 15 Q5_0 weights have no exact int4 path; quantized again to int4 group 32"]
-    assert all(isinstance(m, Int4Linear) for m in (model.lm_head, model.model.layers[0].mlp.up_proj))
+    assert lines == ["h2o-chat: tiny-Q5_0.gguf: 15 Q5_0 weights have no exact int4 path; quantized again to int4 "
+                     "group 32 (the lm_head among them to int8 per row)"]
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.get_input_embeddings(), PackedEmbedding)  # tied: its rows are the int8 lm_head's
 
 
 def test_our_header_reader_agrees_with_gguf(files):

@@ -18,9 +18,9 @@ from h2o_chat.models.load import ModelLoadError, resolve_quantization
 from h2o_chat.models.packed import (
     GROUP,
     KERNEL_ROWS,
-    Int4Embedding,
     Int4Linear,
     Int8Linear,
+    PackedEmbedding,
     pack_int4_cpu,
     unpack_int4_cpu,
 )
@@ -105,11 +105,11 @@ def test_int4_weights_are_within_half_a_step_of_the_float_ones():
 def test_the_embedding_reads_rows_of_the_packed_table():
     table = Int4Linear.from_float(torch.randn(200, 96, generator=torch.Generator().manual_seed(6)))
     ids = torch.tensor([[0, 31, 32, 63], [64, 127, 150, 199]])
-    rows = Int4Embedding(table, torch.bfloat16, tied=True)(ids)
+    rows = PackedEmbedding(table, torch.bfloat16, tied=True)(ids)
     assert rows.shape == (2, 4, 96) and torch.equal(rows, table.dequantize(torch.bfloat16)[ids])
     halves = Int4Linear.from_codes(*REPACK["Q8_0"][0](gguf.quants.quantize(np.random.default_rng(7).standard_normal(
         (100, 64), dtype=np.float32), Q.Q8_0)), 64, repeats=2)
-    assert torch.equal(Int4Embedding(halves, torch.float32, tied=True)(ids[:, :2]), halves.dequantize()[ids[:, :2]])
+    assert torch.equal(PackedEmbedding(halves, torch.float32, tied=True)(ids[:, :2]), halves.dequantize()[ids[:, :2]])
 
 
 @pytest.mark.parametrize("make", [Int4Linear.from_float, Int8Linear.from_float])

@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 from h2o_chat import ChatSession, H2OCache
 from h2o_chat.models.decode import Decoder
 from h2o_chat.models.load import load_model
-from h2o_chat.models.packed import KERNEL_ROWS, Int4Embedding, Int4Linear
+from h2o_chat.models.packed import KERNEL_ROWS, Int4Linear, PackedEmbedding
 from h2o_chat.models.quantize import fuse_projections, quantize_linears, weights_label
 from tests.conftest import make_tiny_chat, make_tiny_llama
 from tests.test_cache import greedy
@@ -75,7 +75,7 @@ def test_a_chat_session_runs_on_int4_weights():
     assert session.timeline.decoder.packed
     replies = ["".join(session.send(text)) for text in ("Hello there!", "And again?")]
     assert all(replies) and session.stats["tokens_seen"] > 40
-    assert weights_label(model) == "int4"
+    assert weights_label(model) == "int4, lm_head fp32"  # the lm_head stays float (quantize_linears)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_embedded_int4_is_its_gguf_blocks_in_the_right_row_order(embedded_model,
     dense, tokenizer = embedded_model
     model, _ = embedded_int4
     assert weights_label(model) == "int4: GGUF Q4_1 as stored (210), Q8_0 as two exact int4 halves (1)"
-    assert isinstance(model.get_input_embeddings(), Int4Embedding) and model.lm_head.repeats == 2
+    assert isinstance(model.get_input_embeddings(), PackedEmbedding) and model.lm_head.repeats == 2
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj", "model.layers.29.mlp.down_proj",
                  "lm_head"):
         ours, theirs = model.get_submodule(name), dense.get_submodule(name).weight
@@ -150,9 +150,9 @@ def test_the_panel_and_the_api_say_which_weights_run(tmp_path):
     quantized(model, "int8")
     session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), max_new_tokens=4)
     "".join(session.send("Hi"))
-    assert "· weights int8" in render(session)["stats"]
+    assert "· weights int8, lm_head fp32" in render(session)["stats"]
     api = Api(model, tokenizer, dict(policy="h2o", budget=48), str(tmp_path), None, False, 1, 64, None, None)
-    assert asyncio.run(api.models(None))["data"][0]["weights"] == "int8"
+    assert asyncio.run(api.models(None))["data"][0]["weights"] == "int8, lm_head fp32"
 
 
 def test_the_command_line_takes_quantization_and_the_old_flags():

@@ -181,7 +181,6 @@ def _load_quantized(source, label, config, torch_dtype, quantization, quantizati
             model = _load_weights(source, label, config, torch_dtype, quantization_config, device, device_map, remote)
             if quantization in ("int4", "int8"):
                 quantize_linears(model, quantization)
-                model.h2o_weights = f"{quantization} (quantized at load from {str(torch_dtype).removeprefix('torch.')})"
         if any(isinstance(m, PACKED) for m in model.modules()):
             fuse_projections(model)
     except (GGUFError, OSError, ValueError, RuntimeError, MemoryError) as error:

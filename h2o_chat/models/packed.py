@@ -4,7 +4,7 @@ kernels (the ones gpt-fast uses):
     Int4Linear   w = (q - 8) * scale + zero, q in 0..15, one (scale, zero) per group of 32 inputs
                  CPU: aten._weight_int4pack_mm_for_cpu; CUDA: aten._weight_int4pack_mm (tinygemm)
     Int8Linear   w = q * scale, q in -128..127, one scale per output row: aten._weight_int8pack_mm
-    Int4Embedding  a token's row read out of an Int4Linear's packed weight (a tied lm_head's)
+    PackedEmbedding  a token's row read out of an Int4Linear's packed weight (a tied lm_head's)
 
 Each keeps nn.Linear's interface (in_features, out_features, forward(x [..., in]) -> [..., out]),
 so a quantized model is still a transformers model: its forward, generate and H2OCache run
@@ -98,7 +98,7 @@ def unpack_int4_cpu(packed):
 @functools.cache
 def check_cpu_layout():
     """Raise when this torch packs int4 weights differently from `pack_int4_cpu` (its layout is
-    private to torch: a later release may change it, and prefill and Int4Embedding read it)."""
+    private to torch: a later release may change it, and prefill and PackedEmbedding read it)."""
     codes = torch.randint(0, 16, (2 * BLOCK_ROWS, 2 * GROUP), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
     if not torch.equal(theirs, pack_int4_cpu(codes)):
@@ -254,7 +254,7 @@ class Int4Linear(nn.Module):
 
     def dequantize(self, dtype=torch.float32, rows=None):
         """W [out_pad, in_features] (padded rows are zero) in `dtype`, from the packed codes (CPU).
-        rows: only these rows (an index tensor), [len(rows), in_features]: Int4Embedding's lookup."""
+        rows: only these rows (an index tensor), [len(rows), in_features]: PackedEmbedding's lookup."""
         sz = self.scales_and_zeros if rows is None else self.scales_and_zeros[:, rows]
         codes = self.codes() if rows is None else self.row_codes(rows)
         w = (codes.view(torch.int8) - 8).to(dtype).view(codes.shape[0], -1, GROUP)
@@ -347,9 +347,10 @@ class Int8Linear(nn.Module):
         """The kernel: rows bf16 [n, in_features] -> bf16 [n, out_features]."""
         return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
 
-    def dequantize(self, dtype=torch.float32):
-        """W [out_features, in_features] in `dtype`."""
-        return self.codes[:, :self.in_features].to(dtype) * self.scales.to(dtype)[:, None]
+    def dequantize(self, dtype=torch.float32, rows=None):
+        """W [out_features, in_features] in `dtype`; rows: only these rows (an index tensor)."""
+        codes, scales = (self.codes, self.scales) if rows is None else (self.codes[rows], self.scales[rows])
+        return codes[:, :self.in_features].to(dtype) * scales.to(dtype)[:, None]
 
     def rows(self, start, stop):
         """An Int8Linear for output rows [start, stop) that shares this one's codes and scales."""
@@ -359,12 +360,12 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, 8-bit, per-row scales"
 
 
-class Int4Embedding(nn.Module):
-    """A token table read out of an Int4Linear's packed weight (CPU): the rows of a tied lm_head,
-    so the table is held once, at 4.5 bits, or a table packed for this alone. A lookup
-    dequantizes only the rows asked for; ids [...] -> [..., embedding_dim] in `dtype`."""
+class PackedEmbedding(nn.Module):
+    """A token table read out of a packed weight (CPU): the rows of a tied lm_head (Int4Linear or
+    Int8Linear), so the table is held once, at its packed width, or a table packed for this alone.
+    A lookup dequantizes only the rows asked for; ids [...] -> [..., embedding_dim] in `dtype`."""
 
-    def __init__(self, table: Int4Linear, dtype, tied: bool):
+    def __init__(self, table, dtype, tied: bool):
         super().__init__()
         self.table, self.dtype, self.tied = table, dtype, tied
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
