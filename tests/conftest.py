@@ -75,19 +75,30 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_conversion():
     """Loads the embedded default once per session, converting it if this machine never has.
-    In fp32, not "auto" (bf16 on CPUs with native bf16): tests compare its tokens exactly."""
+    Its float weights in fp32 (quantization="none", dtype float32), not the app's default (int4
+    from the GGUF's blocks, bf16 activations): the tests that use it compare greedy tokens of two
+    paths through the cache (batched and alone, replayed and re-prefilled), and fp32's margins
+    keep ties from flipping a token. The int4 model has its own fixture, `embedded_int4`."""
     folder = default_model_folder()
     converted = not (folder / "config.json").is_file()
     start = time.perf_counter()
-    model, tokenizer = load_model(dtype="float32")
+    model, tokenizer = load_model(dtype="float32", quantization="none")
     return {"model": model, "tokenizer": tokenizer, "folder": folder, "converted": converted,
             "seconds": time.perf_counter() - start}
 
 
 @pytest.fixture(scope="session")
 def embedded_model(embedded_conversion):
-    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, shared by the whole session."""
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct in fp32, shared by the whole session."""
     return embedded_conversion["model"], embedded_conversion["tokenizer"]
+
+
+@pytest.fixture(scope="session")
+def embedded_int4(embedded_conversion):
+    """(model, tokenizer) as the app loads it by default: quantization="auto", int4 from the
+    GGUF's own Q4_1 blocks, the Q8_0 lm_head as two exact int4 halves, dtype "auto"."""
+    model, tokenizer = load_model()
+    return model, tokenizer
 
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "

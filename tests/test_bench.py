@@ -30,14 +30,28 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_bench_decode(tiny_model_dir, play_text, tmp_path):
     cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
               "decode", "--seen", "32,64", "--steps", "3", "--repeats", "2", "--budget", "16",
-              "--methods", "dynamic,full,h2o,h2o-noevict"])
-    rows = read_results(tmp_path, "decode", plot=False)["rows"]
-    assert {(r["seen"], r["method"]) for r in rows} == {
-        (s, m) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict")}
-    by = {(r["seen"], r["method"]): r for r in rows}
+              "--methods", "dynamic,full,h2o,h2o-noevict,h2o+lean", "--quantization", "none,int8,int4", "--dtype", "float32"])
+    data = read_results(tmp_path, "decode", plot=False)
+    rows = data["rows"]
+    assert {(r["seen"], r["method"], r["quantization"]) for r in rows} == {
+        (s, m, q) for s in (32, 64) for m in ("dynamic", "full", "h2o", "h2o-noevict", "h2o+lean")
+        for q in ("none", "int8", "int4")}
+    assert data["meta"]["weights"] == {"none": "fp32", "int8": "int8, lm_head fp32", "int4": "int4, lm_head fp32"}
+    assert all(r["vs_none"] == "1.00x" for r in rows if r["quantization"] == "none")
+    by = {(r["seen"], r["method"]): r for r in rows if r["quantization"] == "none"}
     # the H2O cache holds 16 slots per layer and head, the full ones everything
     assert by[(64, "h2o")]["kv_MiB"] < by[(64, "full")]["kv_MiB"] == by[(64, "dynamic")]["kv_MiB"]
     assert (tmp_path / "decode-speed.png").stat().st_size > 0 and (tmp_path / "decode-memory.png").exists()
+
+
+def test_bench_prefill_speed_per_weights(tiny_model_dir, play_text, tmp_path):
+    cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path), "prefill-speed",
+              "--tokens", "40,100", "--dtypes", "float32", "--quantization", "none,int4", "--repeats", "2"])
+    rows = read_results(tmp_path, "prefill-speed", plot=False)["rows"]
+    assert [(r["tokens"], r["quantization"], r["method"]) for r in rows] == [
+        (n, q, m) for n in (40, 100) for q in ("none", "int4") for m in ("dynamic", "h2o")]
+    assert all(r["tokens_per_s"] > 0 and r["ops_per_token"] > 0 for r in rows)
+    assert [r["vs_none"] for r in rows[:2]] == ["1.00x", "1.00x"]
 
 
 def test_bench_batch_on_the_cpu(tmp_path):
@@ -245,3 +259,21 @@ def test_shared_options_are_taken_before_and_after_the_subcommand(main, module, 
 def test_bench_text_is_taken_after_the_subcommand(monkeypatch):
     assert parsed(cli.main, prefill, "run", ["prefill", "--text", "t.txt"], monkeypatch).text == "t.txt"
     assert parsed(cli.main, prefill, "run", ["--text", "t.txt", "prefill"], monkeypatch).text == "t.txt"
+
+
+@pytest.mark.slow
+def test_bench_user_gguf_each_arm_in_its_own_process(tmp_path):
+    """A tiny random Q4_0 file: int4 from its blocks and dequantized, each loaded in a fresh process
+    (peak RSS is the load's alone); llama.cpp beside them where its venv is here."""
+    argv = ["--out", str(tmp_path), "user-gguf", "--shape", "tiny", "--quick", "--new-tokens", "6"]
+    if llamacpp.find_python() is not None:
+        argv.append("--llamacpp")
+    cli.main(argv)
+    data = read_results(tmp_path, "user-gguf", plot=False)
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert rows["h2o auto"]["weights"] == "int4: GGUF Q4_0 as stored (15)" and rows["h2o none"]["weights"] in ("bf16", "fp32")
+    assert rows["h2o none"]["rss_vs_none"] == "100%" and rows["h2o auto"]["peak_rss_MiB"] > 100
+    assert all(r["decode_tok_s"] > 0 and r["new_tokens"] > 0 for r in rows.values())
+    assert (tmp_path / "random-tiny-Q4_0.gguf").is_file() and data["meta"]["file_MiB"] < 1
+    if "llama.cpp" in rows:
+        assert rows["llama.cpp"]["new_tokens"] == 6 and rows["h2o auto"]["speed_vs_llamacpp"].endswith("x")

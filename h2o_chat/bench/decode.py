@@ -1,9 +1,11 @@
 """`python -m h2o_chat.bench decode`: time per generated token and KV bytes after N tokens seen,
 for DynamicCache and H2OCache (full, h2o at a fixed budget, h2o with a budget too large to evict),
-through transformers' forward or the app's lean step ('+lean').
+through transformers' forward or the app's lean step ('+lean'), for each of --quantization's
+weights (none: float in --dtype; auto: the embedded GGUF's int4 blocks; int8; int4).
 
-Each method prefills once per length; then timed windows of decode steps alternate between the
-methods, so machine noise hits them alike. The median window is reported.
+Each arm (weights x method) prefills once per length; then timed windows of decode steps
+alternate between all the arms, so machine noise hits them alike. The median window is reported,
+and each arm's time against the first weights' on the same method.
 """
 
 import statistics
@@ -14,6 +16,7 @@ from tqdm import tqdm
 
 from ..models.decode import Decoder
 from ..models.load import load_model
+from ..models.quantize import weights_label
 from .common import LEAN, kv_bytes, make_cache, text_tokens, write_plot, write_results
 
 
@@ -38,33 +41,42 @@ def greedy_steps(step, token, cache, steps):
 
 
 def run(args):
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    models = {q: load_model(args.model, dtype=args.dtype, quantization=q) for q in args.quantization}
+    tokenizer = models[args.quantization[0]][1]
     text = text_tokens(tokenizer, args.text, max(args.seen))
+    arms = [(q, m) for m in args.methods for q in args.quantization]
     rows = []
     for seen in tqdm(args.seen, desc="tokens seen"):
-        caches, tokens, times = {}, {}, {m: [] for m in args.methods}
-        steps = {m: decode_step(model, m) for m in args.methods}
-        for m in args.methods:
+        caches, tokens, times = {}, {}, {arm: [] for arm in arms}
+        steps = {(q, m): decode_step(models[q][0], m) for q, m in arms}
+        for q, m in arms:
+            model = models[q][0]
             budget = seen + (args.repeats + 1) * args.steps + 2 if m == "h2o-noevict" else args.budget
-            caches[m] = make_cache(model, "h2o" if m == "h2o-noevict" else m, budget=budget)
+            caches[q, m] = make_cache(model, "h2o" if m == "h2o-noevict" else m, budget=budget)
             with torch.no_grad():
-                tokens[m] = model(text[:, :seen], cache=caches[m]).logits[:, -1:].argmax(-1)
-            tokens[m], _ = greedy_steps(steps[m], tokens[m], caches[m], 1)  # warm-up step, untimed
+                tokens[q, m] = model(text[:, :seen], cache=caches[q, m]).logits[:, -1:].argmax(-1)
+            tokens[q, m], _ = greedy_steps(steps[q, m], tokens[q, m], caches[q, m], 1)  # warm-up step, untimed
         for _ in range(args.repeats):
-            for m in args.methods:
-                tokens[m], seconds = greedy_steps(steps[m], tokens[m], caches[m], args.steps)
-                times[m].append(seconds / args.steps)
-        base = statistics.median(times[args.methods[0]])
-        for m in args.methods:
-            t = statistics.median(times[m])
-            rows.append({"seen": seen, "method": m, "ms_per_token": round(1000 * t, 2),
-                         "tokens_per_s": round(1 / t, 2), f"vs_{args.methods[0]}": f"{base / t:.2f}x",
-                         "kv_MiB": round(kv_bytes(caches[m]) / 2**20, 2)})
+            for arm in arms:
+                tokens[arm], seconds = greedy_steps(steps[arm], tokens[arm], caches[arm], args.steps)
+                times[arm].append(seconds / args.steps)
+        base_method = statistics.median(times[args.quantization[0], args.methods[0]])
+        for q, m in arms:
+            t, base_weights = statistics.median(times[q, m]), statistics.median(times[args.quantization[0], m])
+            rows.append({"seen": seen, "quantization": q, "method": m, "ms_per_token": round(1000 * t, 2),
+                         "tokens_per_s": round(1 / t, 2), f"vs_{args.methods[0]}": f"{base_method / t:.2f}x",
+                         f"vs_{args.quantization[0]}": f"{t / base_weights:.2f}x",
+                         "kv_MiB": round(kv_bytes(caches[q, m]) / 2**20, 2)})
             print(rows[-1], flush=True)
         del caches
-    meta = {"command": args.command_line, "budget": args.budget, "dtype": str(model.dtype),
-            "steps": args.steps, "repeats": args.repeats, "threads": torch.get_num_threads()}
-    write_results(args.out, "decode", rows, ["seen", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
-                                             "kv_MiB"], meta)
-    write_plot(args.out, "decode-speed", rows, "seen", "tokens_per_s", "method", "decode speed vs tokens seen")
-    write_plot(args.out, "decode-memory", rows, "seen", "kv_MiB", "method", "KV cache size vs tokens seen")
+    meta = {"command": args.command_line, "budget": args.budget, "steps": args.steps, "repeats": args.repeats,
+            "threads": torch.get_num_threads(), "dtype": {q: str(m.dtype) for q, (m, _) in models.items()},
+            "weights": {q: weights_label(m) for q, (m, _) in models.items()},
+            "note": f"vs_{args.quantization[0]}: ms per token against the {args.quantization[0]} weights' (same method)"}
+    columns = ["seen", "quantization", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
+               f"vs_{args.quantization[0]}", "kv_MiB"]
+    write_results(args.out, "decode", rows, columns, meta)
+    for row in rows:
+        row["arm"] = f"{row['method']} {row['quantization']}"
+    write_plot(args.out, "decode-speed", rows, "seen", "tokens_per_s", "arm", "decode speed vs tokens seen")
+    write_plot(args.out, "decode-memory", rows, "seen", "kv_MiB", "arm", "KV cache size vs tokens seen")

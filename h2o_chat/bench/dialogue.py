@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from ..chat.session import ChatSession
 from ..models.load import embedded_gguf_path, load_model
+from ..models.quantize import weights_label
 from .common import rss_kib, user_turns, write_plot, write_results
 from .peers import kvpress, llamacpp
 
@@ -136,13 +137,13 @@ def dialogue_vs_llamacpp(args, model, tokenizer, turns):
 
 
 def run(args):
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     if args.llamacpp is not None:
         turns = user_turns(args.turns_file, args.turns, cycle=True)
         rows, settings = dialogue_vs_llamacpp(args, model, tokenizer, turns)
         meta = {"command": args.command_line, "budget": args.budget, "new_tokens": args.new_tokens,
                 "repeats": args.repeats, "threads": torch.get_num_threads(), "dtype": str(model.dtype),
-                "llamacpp": settings}
+                "weights": weights_label(model), "llamacpp": settings}
         write_results(args.out, "dialogue-llamacpp", rows, ["turn", "method", "ttft_s", "decode_tok_s", "tokens_seen",
                                                             "prefilled", "kv_MiB", "note"], meta)
         write_plot(args.out, "dialogue-llamacpp", rows, "turn", "decode_tok_s", "method", "decode tokens/s per turn")
@@ -177,8 +178,8 @@ def run(args):
     if transcripts:
         kv_rows, versions = kvpress_dialogue_rows(args, model, worker, transcripts)
         rows += kv_rows
-    meta = {"command": args.command_line, "budget": args.budget,
-            "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "kvpress": versions}
+    meta = {"command": args.command_line, "budget": args.budget, "new_tokens": args.new_tokens,
+            "threads": torch.get_num_threads(), "weights": weights_label(model), "kvpress": versions}
     ttft = {(r["method"], r["turn"]): r["ttft_s"] for r in rows}
     summary = {}
     for method in args.methods:

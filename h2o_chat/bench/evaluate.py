@@ -19,7 +19,7 @@ options and helpers are cli.py's).
 import sys
 
 from . import compress, ppl, summarize
-from .cli import add_quick, apply_quick, base_parser, cache_flag, name_list
+from .cli import add_quick, apply_quick, base_parser, cache_flag, name_list, quantization_flag
 from .common import SHAKESPEARE
 from .peers import kvpress
 
@@ -54,6 +54,7 @@ def main(argv=None):
     p.add_argument("--long-methods", type=name_list, default=ppl.LONG_METHODS)
     p.add_argument("--segment", type=int, default=2048, help="the long part's ppl is reported per this many tokens")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CPUs with native bf16, else fp32), float32, bfloat16")
+    quantization_flag(p, many=True)
     add_quick(p, tokens=384, long_tokens=768, long_budget=64, segment=192)  # about 2 minutes on the embedded model
     p.set_defaults(run=ppl.run)
 

@@ -9,6 +9,7 @@ every step.
 import torch
 
 from ..models.load import load_model
+from ..models.quantize import weights_label
 from .common import make_cache, text_tokens, write_results
 from .decode import decode_step
 
@@ -55,29 +56,34 @@ def count_ops(step, steps):
 
 
 def run(args):
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
-    text = text_tokens(tokenizer, args.text, args.seen)
-    rows, counts = [], {}
-    for method in args.methods:
-        cache, decode = make_cache(model, method, budget=args.budget), decode_step(model, method)
-        with torch.no_grad():
-            token = model(text, cache=cache).logits[:, -1:].argmax(-1)
+    rows, counts, weights = [], {}, {}
+    for quantization in args.quantization:
+        model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization)
+        weights[quantization] = weights_label(model)
+        text = text_tokens(tokenizer, args.text, args.seen)
+        for method in args.methods:
+            cache, decode = make_cache(model, method, budget=args.budget), decode_step(model, method)
+            with torch.no_grad():
+                token = model(text, cache=cache).logits[:, -1:].argmax(-1)
 
-            def step(cache=cache, decode=decode):
-                nonlocal token
-                token = decode(token, cache)
-                token.item()
+                def step(cache=cache, decode=decode):
+                    nonlocal token
+                    token = decode(token, cache)
+                    token.item()
 
-            for _ in range(2):  # warm-up: first-call paths and lazily built state
-                step()
-            ops, syncs, counts[method] = count_ops(step, args.steps)
-        rows.append({"method": method, "ops_per_token": round(ops), "syncs_per_token": round(syncs, 2)})
+                for _ in range(2):  # warm-up: first-call paths and lazily built state
+                    step()
+                ops, syncs, counts[quantization, method] = count_ops(step, args.steps)
+            rows.append({"quantization": quantization, "method": method, "ops_per_token": round(ops),
+                         "syncs_per_token": round(syncs, 2)})
     base = rows[0]
     for row in rows:
         row[f"added_vs_{base['method']}"] = row["ops_per_token"] - base["ops_per_token"]
-        added = counts[row["method"]] - counts[base["method"]]
+        added = counts[row["quantization"], row["method"]] - counts[base["quantization"], base["method"]]
         row["most_added"] = ", ".join(f"{name[6:]} {n / args.steps:+.0f}" for name, n in added.most_common(6))
     meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
-            "dtype": str(model.dtype), "threads": torch.get_num_threads()}
-    write_results(args.out, "ops", rows, ["method", "ops_per_token", f"added_vs_{base['method']}",
-                                          "syncs_per_token", "most_added"], meta)
+            "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights}
+    columns = ["method", "ops_per_token", f"added_vs_{base['method']}", "syncs_per_token", "most_added"]
+    if len(args.quantization) > 1:
+        columns.insert(0, "quantization")
+    write_results(args.out, "ops", rows, columns, meta)

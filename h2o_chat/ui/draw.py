@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from ..cache.config import CacheConfig
+from ..models.quantize import weights_label
 
 # status -> colour; strength (the share of the view's heads keeping the token) sets opacity
 COLORS = {"sink": "#CC79A7", "pinned": "#009E73", "heavy": "#E69F00", "kept": "#F0E442",
@@ -234,9 +235,9 @@ def seconds(s):
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def stats_markdown(stats, retention, layer=None, head=None, live=None):
+def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=None):
     """The stats line. live: (ttft_s, tokens_per_s) of the reply streaming now, shown instead
-    of the last finished turn's."""
+    of the last finished turn's. weights: which weights run (models.quantize.weights_label)."""
     found = counts(retention, layer, head)
     kept = ", ".join(f"{found[s]:,} {s}" for s in SHOWN if found.get(s))
     saved = 1 - stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
@@ -249,7 +250,7 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None):
     where = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", head {head}")
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** (a full cache: {stats['full_kv_bytes'] / 2**20:.1f} MiB, "
-            f"{saved:.0%} saved) · {timing}\n\nIn {where}: {kept}")
+            f"{saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "") + f"\n\nIn {where}: {kept}")
 
 
 def pins_note(session, retention):
@@ -281,7 +282,8 @@ def panel(session, layer=None, head=None, live=None, maps=True):
     stats, limits = session.stats, session.cache.limits
     return {"token_map": token_map(session.ledger, retention, layer, head) if maps else "",
             "retention_map": retention_map_html(retention, layer) if maps else "",
-            "stats": stats_markdown(stats, retention, layer, head, live) + pins_note(session, retention),
+            "stats": stats_markdown(stats, retention, layer, head, live, weights_label(session.model))
+                     + pins_note(session, retention),
             "memory": memory_rows(stats, limits.budget if limits is not None else None),
             "heavy": top_heavy(session.ledger, retention, layer, head),
             "legend": legend_html(session.cache_config.policy)}

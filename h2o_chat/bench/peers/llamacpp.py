@@ -55,14 +55,14 @@ class LlamaCppServer:
     def __init__(self, process, url, settings):
         self.process, self.url, self.settings = process, url, settings
 
-    def complete(self, prompt_ids, max_tokens, timeout=600):
+    def complete(self, prompt_ids, max_tokens, timeout=600, ignore_eos=False):
         """Greedy completion of `prompt_ids` (a list of token ids), at most `max_tokens` new
-        tokens (fewer at an end-of-generation token). Returns the server's response: `choices`,
+        tokens (fewer at an end-of-generation token, unless ignore_eos). Returns the server's response: `choices`,
         `usage` (prompt_tokens, completion_tokens, cached_tokens) and `timings` (prompt_ms,
         prompt_n, predicted_ms, predicted_n, cache_n). LlamaCppError with the server's message
         when it refuses (e.g. a prompt longer than its context)."""
         body = json.dumps({"prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
-                           "top_k": 1, "cache_prompt": True, "stream": False}).encode()
+                           "top_k": 1, "cache_prompt": True, "stream": False, "ignore_eos": ignore_eos}).encode()
         request = urllib.request.Request(self.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         try:

@@ -1,0 +1,142 @@
+"""Packed weights (models/packed.py, models/gguf.py's block repacking): what the kernels compute
+with is exactly what the GGUF file holds, and a packed linear computes x @ W.T.
+
+The repacking proofs run the kernel itself in float32 on an identity input: its output is then
+the weights it reads, bit for bit, so these compare the bytes the kernel sees (layout, nibble
+order, scales and zeros) with the gguf package's own dequantization."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from h2o_chat.models import load as load_mod
+from h2o_chat.models import packed as packed_mod
+from h2o_chat.models.gguf import REPACK
+from h2o_chat.models.load import ModelLoadError, resolve_quantization
+from h2o_chat.models.packed import (
+    GROUP,
+    KERNEL_ROWS,
+    Int4Linear,
+    Int8Linear,
+    PackedEmbedding,
+    pack_int4_cpu,
+    unpack_int4_cpu,
+)
+from h2o_chat.models.quantize import fuse
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_our_int4_layout_is_the_kernels():
+    codes = torch.randint(0, 16, (192, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    assert torch.equal(pack_int4_cpu(codes), theirs)
+    assert torch.equal(unpack_int4_cpu(theirs), codes)
+
+
+def kernel_weights(codes, scale, zero, repeats=1):
+    """What the CPU kernel computes with, float32 [out, in]: codes packed by torch's own op, the
+    kernel run in float32 on an identity input (repeats: [I, I], the two halves summed by it)."""
+    out, width = codes.shape
+    rows = -(-out // 64) * 64
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(F.pad(codes, (0, 0, 0, rows - out)).int(), 1)
+    sz = torch.stack((F.pad(scale, (0, 0, 0, rows - out)), F.pad(zero, (0, 0, 0, rows - out))), -1).transpose(0, 1)
+    eye = torch.eye(width // repeats).repeat(1, repeats)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, GROUP, sz.contiguous()).T[:out]
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("rows,cols", [(80, 96), (64, 256), (7, 32)])
+def test_gguf_blocks_repack_exactly(kind, rows, cols):
+    """Q4_1 -> scale d, zero m + 8d; Q4_0 -> scale d, zero 0; Q8_0 -> two int4 halves (16d h, d l):
+    the kernel's weights equal gguf's dequantization bitwise, in float32."""
+    values = np.random.default_rng(1).standard_normal((rows, cols), dtype=np.float32) * np.linspace(0.01, 3, cols, dtype=np.float32)
+    raw = gguf.quants.quantize(values, Q[kind])
+    codes_of, repeats = REPACK[kind]
+    codes, scale, zero = codes_of(raw)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols))
+    assert torch.equal(kernel_weights(codes, scale, zero, repeats), expected)
+
+
+def test_q4_1_zero_is_exact_in_float32():
+    """zero = m + 8d holds exactly (no rounding) for every block of the embedded model's kind of data."""
+    values = np.random.default_rng(2).standard_normal((256, 512), dtype=np.float32) * 0.05
+    _, scale, zero = REPACK["Q4_1"][0](gguf.quants.quantize(values, Q.Q4_1))
+    m = zero.double() - 8 * scale.double()
+    assert torch.equal(m.float().double(), m)  # m recovered exactly: m + 8d was not rounded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make", ["int4", "int8", "q8_0 halves"])
+@pytest.mark.parametrize("out,inp", [(100, 40), (72, 96), (130, 576)])
+def test_a_packed_linear_is_x_times_its_weight(make, out, inp, dtype):
+    """Odd shapes (rows padded to 64, inputs to 32), batch 1 and 2, one token and a prefill-sized
+    chunk (which dequantizes instead), bf16 and fp32 activations: x @ dequantized(W).T."""
+    weight = torch.randn(out, inp, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(out) if out == 72 else None
+    if make == "int4":
+        layer = Int4Linear.from_float(weight, bias)
+    elif make == "int8":
+        layer = Int8Linear.from_float(weight, bias)
+    else:
+        if inp % GROUP:
+            pytest.skip("Q8_0 rows are whole blocks of 32")
+        layer = Int4Linear.from_codes(*REPACK["Q8_0"][0](gguf.quants.quantize(weight.numpy(), Q.Q8_0)), inp, bias, repeats=2)
+    w = layer.dequantize(torch.float32)[:out]
+    for shape in [(1, 1, inp), (2, 1, inp), (2, KERNEL_ROWS + 5, inp)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        y = layer(x)
+        assert y.shape == (*shape[:-1], out) and y.dtype == dtype
+        expected = x.float() @ w.T + (0 if bias is None else bias.to(torch.bfloat16).float())
+        torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_int4_weights_are_within_half_a_step_of_the_float_ones():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    error = (Int4Linear.from_float(weight).dequantize()[:64] - weight).abs().view(64, -1, GROUP)
+    groups = weight.view(64, -1, GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    # half a step, and the bf16 rounding of scale and zero (2^-8 of the group's largest weight)
+    assert (error.amax(-1) <= 0.5 * step + groups.abs().amax(-1) / 2**7).all()
+
+
+def test_the_embedding_reads_rows_of_the_packed_table():
+    table = Int4Linear.from_float(torch.randn(200, 96, generator=torch.Generator().manual_seed(6)))
+    ids = torch.tensor([[0, 31, 32, 63], [64, 127, 150, 199]])
+    rows = PackedEmbedding(table, torch.bfloat16, tied=True)(ids)
+    assert rows.shape == (2, 4, 96) and torch.equal(rows, table.dequantize(torch.bfloat16)[ids])
+    halves = Int4Linear.from_codes(*REPACK["Q8_0"][0](gguf.quants.quantize(np.random.default_rng(7).standard_normal(
+        (100, 64), dtype=np.float32), Q.Q8_0)), 64, repeats=2)
+    assert torch.equal(PackedEmbedding(halves, torch.float32, tied=True)(ids[:, :2]), halves.dequantize()[ids[:, :2]])
+
+
+@pytest.mark.parametrize("make", [Int4Linear.from_float, Int8Linear.from_float])
+def test_fused_parts_share_the_fused_weight_and_compute_the_same(make):
+    gen = torch.Generator().manual_seed(8)
+    parts = [make(torch.randn(n, 64, generator=gen)) for n in (64, 32, 32)]
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    before = [p(x) for p in parts]
+    fused = fuse(parts)
+    after = [p(x) for p in parts]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    together = fused.module(x)
+    assert all(torch.equal(together[:, s:e], b) for (s, e), b in zip(fused.spans, before))
+    storage = (lambda m: m.packed) if isinstance(parts[0], Int4Linear) else (lambda m: m.codes)
+    assert all(storage(p).untyped_storage().data_ptr() == storage(fused.module).untyped_storage().data_ptr() for p in parts)
+
+
+def test_a_quantization_that_does_not_fit_the_device_says_what_to_use(monkeypatch):
+    assert resolve_quantization(None) == "none" and resolve_quantization("INT4") == "int4"
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; use auto, none, int4, int8, 4bit, 8bit"):
+        resolve_quantization("int3")
+    with pytest.raises(ModelLoadError, match="bitsandbytes, which needs a CUDA GPU; on this cpu use quantization='int8'"):
+        resolve_quantization("8bit", "cpu")
+    # a CPU whose torch has no int4 kernel: int4 is refused with int8 instead, and auto falls back to none
+    real = packed_mod.kernel_missing
+    monkeypatch.setattr(packed_mod, "kernel_missing", lambda kind, device: "no kernel" if kind == "int4" else real(kind, device))
+    with pytest.raises(ModelLoadError, match="quantization='int4': no kernel; use quantization='int8'"):
+        resolve_quantization("int4", "cpu")
+    assert resolve_quantization("auto", "cpu") == "none"
+    assert load_mod.QUANTIZATIONS == ("auto", "none", "int4", "int8", "4bit", "8bit")

@@ -1,0 +1,168 @@
+"""A quantized model is still a transformers model: its forward, generate and H2OCache work
+unchanged, the lean step (its packed step: fused q/k/v and gate/up) computes exactly what the
+model's own forward computes, and with nothing evicted H2OCache equals DynamicCache on it."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from h2o_chat import ChatSession, H2OCache
+from h2o_chat.models.decode import Decoder
+from h2o_chat.models.load import load_model
+from h2o_chat.models.packed import KERNEL_ROWS, Int4Linear, PackedEmbedding
+from h2o_chat.models.quantize import fuse_projections, quantize_linears, weights_label
+from tests.conftest import make_tiny_chat, make_tiny_llama
+from tests.test_cache import greedy
+from tests.test_decode import POLICY_SCORES, assert_same_state, decode_both
+
+
+def quantized(model, kind):
+    quantize_linears(model, kind)
+    return fuse_projections(model)
+
+
+@pytest.mark.parametrize("policy,score", POLICY_SCORES)
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_lean_step_is_the_quantized_model_forward_bit_for_bit(kind, policy, score):
+    own, lean, equal_steps = decode_both(quantized(make_tiny_llama(torch.bfloat16), kind), policy=policy, score=score,
+                                         budget=16, n_sink=2, n_recent=6, prefill_chunk=4)
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batches_and_float32_activations(dtype, batch):
+    """fp32 models cast to bf16 around the kernels, in the forward and in the lean step alike."""
+    model = quantized(make_tiny_llama(dtype, kv_heads=1), "int4")
+    assert model.model.layers[0].self_attn.qkv_proj is not None and Decoder(model).packed
+    own, lean, equal_steps = decode_both(model, batch=batch, budget=12, n_recent=4)
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+
+
+def test_a_quantized_model_with_attention_biases():
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, use_sliding_window=False)
+    torch.manual_seed(0)
+    model = quantized(Qwen2ForCausalLM(config).eval().to(torch.bfloat16), "int4")
+    own, lean, equal_steps = decode_both(model, budget=16, n_recent=6)
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_nothing_evicted_equals_dynamic_cache_on_the_quantized_model(kind):
+    """generate: DynamicCache and a cache that never evicts, on the same quantized model. The
+    prompt's rows (batch x tokens) are more than KERNEL_ROWS: its prefill takes the dequantizing path."""
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    assert ids.numel() > KERNEL_ROWS
+    expected = greedy(quantized(make_tiny_llama(), kind), ids, DynamicCache(), 48)
+    model = quantized(make_tiny_llama(), kind)
+    cache = H2OCache(model, policy="h2o", budget=96, n_sink=4, n_recent=40, prefill_chunk=7)
+    got = greedy(model, ids, cache, 48)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):  # fp32 attention, bf16 kernel inputs: a few bf16 steps
+        torch.testing.assert_close(a, b, atol=b.abs().max().item() / 2**6, rtol=0)
+    assert cache.layers[0].n_slots == 40 + 48 - 1
+
+
+def test_a_chat_session_runs_on_int4_weights():
+    model, tokenizer = make_tiny_chat()
+    quantized(model, "int4")
+    session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16),
+                          temperature=0, max_new_tokens=12)
+    assert session.timeline.decoder.packed
+    replies = ["".join(session.send(text)) for text in ("Hello there!", "And again?")]
+    assert all(replies) and session.stats["tokens_seen"] > 40
+    assert weights_label(model) == "int4, lm_head fp32"  # the lm_head stays float (quantize_linears)
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded model as the app loads it: int4 from the GGUF's own blocks
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_embedded_int4_is_its_gguf_blocks_in_the_right_row_order(embedded_model, embedded_int4):
+    """Every packed weight is the dequantized model's (transformers' own GGUF loader, which undoes
+    llama.cpp's q/k row order) within bf16's rounding of the scales; a misordered row would be
+    off by the weights' whole size. The logits agree likewise, and pick the same tokens."""
+    dense, tokenizer = embedded_model
+    model, _ = embedded_int4
+    assert weights_label(model) == "int4: GGUF Q4_1 as stored (210), Q8_0 as two exact int4 halves (1)"
+    assert isinstance(model.get_input_embeddings(), PackedEmbedding) and model.lm_head.repeats == 2
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj", "model.layers.29.mlp.down_proj",
+                 "lm_head"):
+        ours, theirs = model.get_submodule(name), dense.get_submodule(name).weight
+        assert isinstance(ours, Int4Linear)
+        error = (ours.dequantize()[: theirs.shape[0]] - theirs).abs().max()
+        assert error <= theirs.abs().max() / 2**7, name
+    ids = tokenizer("The capital of France is Paris. The capital of Germany is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        a, b = model(ids).logits.float(), dense(ids).logits.float()
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4):
+    """The lean step on the app's model, bit for bit; then nothing evicted against DynamicCache
+    with float32 activations (the same int4 weights): in bf16, sdpa and H2O's explicit attention
+    round differently and a greedy tie can flip, as it would for the float model."""
+    model, tokenizer = embedded_int4
+    own, lean, equal_steps = decode_both(model, steps=24, budget=24, n_recent=8, prefill_chunk=8)
+    assert equal_steps == 24
+    assert_same_state(own, lean)
+    model, tokenizer = load_model(dtype="float32")
+    assert weights_label(model).startswith("int4: GGUF Q4_1")
+    ids = tokenizer("Write one sentence about the sea.", return_tensors="pt").input_ids
+    expected = greedy(model, ids, DynamicCache(), 24)
+    got = greedy(model, ids, H2OCache(model, policy="h2o", budget=64, n_recent=32), 24)
+    assert torch.equal(got.sequences, expected.sequences)
+    # The kernels read bf16 inputs: a float32 difference in attention can round an input to the
+    # next bf16 value, and 30 layers carry that on; the logits agree to a few bf16 steps
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=b.abs().max().item() / 2**5, rtol=0)
+
+
+def test_odd_widths_through_the_lean_step():
+    """Hidden 40 and intermediate 72: no layer's inputs a multiple of 32 (zero-padded for both
+    kernels: the int8 one returns garbage on rows whose length is not a multiple of 16)."""
+    config = LlamaConfig(hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=256)
+    for kind in ("int4", "int8"):
+        torch.manual_seed(0)
+        model = quantized(LlamaForCausalLM(config).eval().to(torch.bfloat16), kind)
+        own, lean, equal_steps = decode_both(model, steps=16, budget=12, n_recent=4)
+        assert equal_steps == 16
+        assert_same_state(own, lean)
+
+
+def test_the_panel_and_the_api_say_which_weights_run(tmp_path):
+    import asyncio
+
+    from h2o_chat.serve.api import Api
+    from h2o_chat.ui.draw import panel
+
+    model, tokenizer = make_tiny_chat()
+    quantized(model, "int8")
+    session = ChatSession(model, tokenizer, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), max_new_tokens=4)
+    "".join(session.send("Hi"))
+    assert "· weights int8, lm_head fp32" in panel(session)["stats"]
+    api = Api(model, tokenizer, dict(policy="h2o", budget=48), str(tmp_path), None, False, 1, 64, None, None)
+    assert asyncio.run(api.models(None))["data"][0]["weights"] == "int8, lm_head fp32"
+
+
+def test_the_command_line_takes_quantization_and_the_old_flags():
+    from h2o_chat.serve.cli import parse_args, quantization_of
+
+    assert quantization_of(parse_args([])) == "auto"
+    assert quantization_of(parse_args(["--quantization", "int8"])) == "int8"
+    assert quantization_of(parse_args(["--load-in-4bit"])) == "4bit"
+    assert quantization_of(parse_args(["--load-in-8bit", "--quantization", "8bit"])) == "8bit"
+    with pytest.raises(ValueError, match="--load-in-4bit is --quantization 4bit; give one of them"):
+        quantization_of(parse_args(["--load-in-4bit", "--quantization", "int4"]))
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "nf4"])
