@@ -154,10 +154,9 @@ def test_a_malformed_auth_flag_is_refused(launched, tmp_path, auth):
 SECRET = "the plan is under the lighthouse"
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
-    """app.py --auth alice:s3cret, in this process, with a saved session holding a secret."""
-    data = tmp_path_factory.mktemp("data")
+def serve_in_process(data, flags):
+    """app.py FLAGS in this process on a free port (the tiny model), with a saved session holding
+    SECRET in `data`; yields its URL, then closes it."""
     store.save(data, "secret-session", {"messages": [{"role": "user", "content": SECRET}]})
     calls = {}
     with pytest.MonkeyPatch.context() as mp:
@@ -170,9 +169,15 @@ def guarded(tmp_path_factory):
 
         mp.setattr(gr.Blocks, "launch", launch)
         port = free_port()
-        app_main.main(["--auth", "alice:s3cret", "--port", str(port), "--data-dir", str(data)])
+        app_main.main([*flags, "--port", str(port), "--data-dir", str(data)])
     yield f"http://127.0.0.1:{port}"
     calls["demo"].close()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """app.py --auth alice:s3cret, with a saved session holding a secret."""
+    yield from serve_in_process(tmp_path_factory.mktemp("data"), ["--auth", "alice:s3cret"])
 
 
 @pytest.mark.parametrize("method, path", [
@@ -229,23 +234,8 @@ def test_auth_lets_the_login_in(guarded):
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    """app.py --api-key KEY (no --auth), in this process, with a saved session holding a secret."""
-    data = tmp_path_factory.mktemp("keyed-data")
-    store.save(data, "secret-session", {"messages": [{"role": "user", "content": SECRET}]})
-    calls = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_mod, "load_model", lambda spec, **kwargs: make_tiny_chat())
-        original_launch = gr.Blocks.launch
-
-        def launch(demo, **kwargs):
-            calls["demo"] = demo
-            original_launch(demo, **kwargs, prevent_thread_lock=True, quiet=True)
-
-        mp.setattr(gr.Blocks, "launch", launch)
-        port = free_port()
-        app_main.main(["--api-key", API_KEY, "--port", str(port), "--data-dir", str(data)])
-    yield f"http://127.0.0.1:{port}"
-    calls["demo"].close()
+    """app.py --api-key KEY (no --auth), with a saved session holding a secret."""
+    yield from serve_in_process(tmp_path_factory.mktemp("keyed-data"), ["--api-key", API_KEY])
 
 
 API_KEY = "the-only-key"
