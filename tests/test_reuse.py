@@ -86,6 +86,26 @@ def test_a_reply_the_client_trimmed_reuses_the_tokens_it_still_holds():
     assert known.ids("something else") is None
 
 
+def test_a_reply_cut_inside_a_character_reuses_the_tokens_before_the_cut():
+    # bench story, seed 1: a 300-token reply ended inside a Hebrew letter; the text the client got
+    # drops the partial bytes, so it did not start with the tokens' text and the whole reply (322
+    # tokens) was computed again on the next turn
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                      merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=byte_level)
+    ids = tok("the café", add_special_tokens=False).input_ids  # é is two byte tokens
+    cut = ids[:-1]
+    assert tok.decode(cut) == "the caf\ufffd"
+    known = KnownTokens(tok)
+    known.remember("the caf", cut)  # what the client was sent: the partial character dropped
+    assert known.ids("the caf") == ids[:-2]
+    assert known.ids("the caf, and then") == ids[:-2] + tok(", and then", add_special_tokens=False).input_ids
+
+
 def test_every_reply_of_a_long_chat_keeps_rendering_as_it_was_fed():
     """Forty turns, each reply drawn as tokens BPE would merge: every turn, however far the first
     replies lie behind, computes only its new message."""
