@@ -86,10 +86,10 @@ def test_a_reply_the_client_trimmed_reuses_the_tokens_it_still_holds():
     assert known.ids("something else") is None
 
 
-def test_a_reply_cut_inside_a_character_reuses_the_tokens_before_the_cut():
+def test_a_reply_cut_inside_a_character_is_reused_with_its_partial_bytes():
     # bench story, seed 1: a 300-token reply ended inside a Hebrew letter; the text the client got
     # drops the partial bytes, so it did not start with the tokens' text and the whole reply (322
-    # tokens) was computed again on the next turn
+    # tokens) was computed again on the next turn. The partial bytes stay: the cache holds them
     from tokenizers import Tokenizer, decoders, pre_tokenizers
 
     byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
@@ -102,8 +102,9 @@ def test_a_reply_cut_inside_a_character_reuses_the_tokens_before_the_cut():
     assert tok.decode(cut) == "the caf\ufffd"
     known = KnownTokens(tok)
     known.remember("the caf", cut)  # what the client was sent: the partial character dropped
-    assert known.ids("the caf") == ids[:-2]
-    assert known.ids("the caf, and then") == ids[:-2] + tok(", and then", add_special_tokens=False).input_ids
+    assert known.ids("the caf") == cut
+    assert known.ids("the caf, and then") == cut + tok(", and then", add_special_tokens=False).input_ids
+    assert known.ids("the ca") == ids[:-3]  # a client that trimmed it: the tokens it still holds
 
 
 def test_every_reply_of_a_long_chat_keeps_rendering_as_it_was_fed():

@@ -185,11 +185,11 @@ class KnownTokens:
     def remember(self, text, ids):
         """ids: tokens whose text is a prefix of `text` (the rest of it is tokenized when asked)."""
         covered = self._decode(ids)
-        if text and ids and not text.startswith(covered):
-            # a reply cut inside a character: its text drops the partial bytes (U+FFFD) that its
-            # last tokens decode to, so keep the tokens that the text does hold
-            ids, done = self._longest_prefix(ids, text)
-            covered = text[:done]
+        if not text.startswith(covered) and text.startswith(covered.rstrip("\ufffd")):
+            # a reply cut inside a character: its text drops the partial bytes its last tokens
+            # decode to (U+FFFD), but the model wrote them and the cache holds them, so they stay;
+            # without them the cache would diverge there and the whole reply be computed again
+            covered = covered.rstrip("\ufffd")
         if text and ids and text.startswith(covered):
             self.replies.pop(text, None)
             self.replies[text] = (list(ids), len(covered))
