@@ -61,7 +61,10 @@ def cache_flag(parser, name, *flags, sweep=None, **kwargs):
 def quantization_flag(parser, many=False):
     """--quantization: load_model's values (serve.cli's help); many: a comma-separated list, one arm each."""
     from ..models.load import QUANTIZATIONS
-    from ..serve.cli import QUANTIZATION_HELP
+    from ..serve.cli import QUANTIZATION_HELP, add_quantization_flag
+
+    if not many:
+        return add_quantization_flag(parser)
 
     def quantizations(text):
         values = text.split(",")
@@ -70,11 +73,8 @@ def quantization_flag(parser, many=False):
             raise argparse.ArgumentTypeError(f"unknown quantization {unknown[0]!r}; use {', '.join(QUANTIZATIONS)}")
         return values
 
-    if many:
-        parser.add_argument("--quantization", type=quantizations, default=["auto"],
-                            help="the weights, a comma-separated list (one arm each, e.g. none,int8,auto): " + QUANTIZATION_HELP)
-    else:
-        parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS, help=QUANTIZATION_HELP)
+    parser.add_argument("--quantization", type=quantizations, default=["auto"],
+                        help="the weights, a comma-separated list (one arm each, e.g. none,int8,auto): " + QUANTIZATION_HELP)
 
 
 def add_quick(parser, **small):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .packed import BLOCK_ROWS, COMPUTE_DTYPE, Int4Linear, Int8Linear
+from .packed import COMPUTE_DTYPE, Int4Linear, Int8Linear
 
 PACKED = (Int4Linear, Int8Linear)
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -91,14 +91,9 @@ def fuse_projections(model):
         attn, mlp = layer.self_attn, layer.mlp
         for owner, names, attr in ((attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"), (mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
             parts = [getattr(owner, n) for n in names]
-            if all(isinstance(p, PACKED) for p in parts) and _row_blocks(parts):
+            if all(isinstance(p, PACKED) for p in parts):
                 object.__setattr__(owner, attr, fuse(parts))
     return model
-
-
-def _row_blocks(parts):
-    """Int4 parts always hold whole blocks of 64 rows; Int8 parts any rows."""
-    return all(not isinstance(p, Int4Linear) or p.packed.shape[0] % BLOCK_ROWS == 0 for p in parts)
 
 
 def weights_label(model) -> str | None:
