@@ -67,7 +67,7 @@ def test_a_fork_is_a_new_unsaved_conversation_with_the_same_text():
     assert conversation.title == "Tell me about lighthouses, please, in detail (copy)"
 
 
-@pytest.mark.parametrize("value", [None, "hi", {"role": "tool", "content": "x"}, {"role": "user"},
+@pytest.mark.parametrize("value", [None, "hi", {"role": "function", "content": "x"}, {"role": "user"},
                                    {"role": "user", "content": 5}])
 def test_a_message_must_be_a_role_and_text(value):
     with pytest.raises(ValueError, match="a message is a dict with a role"):

@@ -1,7 +1,8 @@
 """Conversation: plain data, and the one thing that is saved.
 
-    Conversation(id, title, created, updated, revision, messages, settings, forked_from)
-      messages: [Message(role "user" | "assistant" | "system", content, pinned)]
+    Conversation(id, title, created, updated, revision, messages, settings, forked_from, tools)
+      messages: [Message(role "user" | "assistant" | "system" | "tool", content, pinned, tool_calls, tool_call_id)]
+      tools: OpenAI's function tools the chat template shows the model (None: none)
       settings: Settings(cache: CacheConfig, sampling: Sampling, system_prompt: str | None)
 
 Every setting is declared once, here (Sampling) or in cache.config.CacheConfig, with its default,
@@ -12,7 +13,9 @@ there. `CHOICES` are the values of the cache settings that are a choice.
 
     {"version": 2, "id", "title", "created", "updated", "revision", "forked_from",
      "system_prompt", "system_prompt_pinned", "cache": {CacheConfig fields}, "sampling": {Sampling fields},
-     "messages": [{"role", "content", "pinned"}]}
+     "messages": [{"role", "content", "pinned", "tool_calls"?, "tool_call_id"?}], "tools"?}
+
+(the keys marked ? only where they hold something: a chat without tools is saved as before).
 
 Format 1 (before revisions) is the same without title/created/revision/forked_from and loads
 with revision 0. `revision` counts the writes the file has seen: a writer must hold the
@@ -25,7 +28,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..cache.config import CacheConfig, check_fields, check_number, nearest_allowed, setting
 
-ROLES = ("user", "assistant", "system")  # a system message after the first turn: a frontend's note
+# a system message after the first turn: a frontend's note; "tool": a tool's result (an API client's)
+ROLES = ("user", "assistant", "system", "tool")
 CHOICES = {f.name: f.metadata["choices"] for f in fields(CacheConfig) if f.metadata.get("choices")}
 TITLE_WORDS = 8
 
@@ -150,15 +154,50 @@ class Message:
     role: str
     content: str
     pinned: bool = False
+    tool_calls: list | None = None  # an assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     @classmethod
     def of(cls, value):
-        """A Message from a Message or a {"role", "content", "pinned"?} dict."""
+        """A Message from a Message or a {"role", "content", "pinned"?, "tool_calls"?, "tool_call_id"?} dict."""
         if isinstance(value, Message):
             return value
         if not isinstance(value, dict) or value.get("role") not in ROLES or not isinstance(value.get("content"), str):
             raise ValueError(f"a message is a dict with a role ({' or '.join(ROLES)}) and text content, got {value!r}")
-        return cls(value["role"], value["content"], bool(value.get("pinned")))
+        calls, call_id = value.get("tool_calls") or None, value.get("tool_call_id")
+        if calls is not None and not (isinstance(calls, list) and all(_is_call(c) for c in calls)):
+            raise ValueError(f"tool_calls must be a list of function calls with a name and arguments, got {calls!r}")
+        if call_id is not None and not isinstance(call_id, str):
+            raise ValueError(f"tool_call_id must be text, got {call_id!r}")
+        return cls(value["role"], value["content"], bool(value.get("pinned")), calls, call_id)
+
+    def record(self):
+        """As saved: the tool fields only where they hold something."""
+        out = {"role": self.role, "content": self.content, "pinned": self.pinned}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _is_call(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and \
+        isinstance(function.get("arguments"), str)
+
+
+def check_tools(tools):
+    """None, or a list of OpenAI function tools ({"type": "function", "function": {"name", ...}});
+    ValueError otherwise."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
+        raise ValueError("tools must be a list of function tools, each {\"type\": \"function\", \"function\": "
+                         "{\"name\": ..., \"parameters\": {...}}}")
+    return tools or None
 
 
 def new_id():
@@ -175,6 +214,7 @@ class Conversation:
     updated: float = field(default_factory=time.time)
     revision: int = 0  # the revision on disk this copy was read as (0: never saved)
     forked_from: str | None = None
+    tools: list | None = None  # OpenAI's function tools, shown to the model by the chat template
     # sentences for the user about this copy (its saved settings could not be used as they were);
     # never saved, and no part of what two copies compare
     notices: list = field(default_factory=list, compare=False, repr=False)
@@ -190,7 +230,7 @@ class Conversation:
     def record(self):
         return {"id": self.id, "title": self.title, "created": self.created, "updated": self.updated,
                 "revision": self.revision, "forked_from": self.forked_from, **self.settings.record(),
-                "messages": [asdict(m) for m in self.messages]}
+                "messages": [m.record() for m in self.messages], **({"tools": self.tools} if self.tools else {})}
 
     @classmethod
     def from_record(cls, record, conversation_id):
@@ -207,7 +247,8 @@ class Conversation:
         settings, changes = Settings.from_record(record)
         conversation = cls(id=conversation_id, messages=[Message.of(m) for m in record["messages"]],
                            title=title if isinstance(title, str) else "", created=created, updated=updated,
-                           revision=revision, forked_from=forked_from if isinstance(forked_from, str) else None)
+                           revision=revision, forked_from=forked_from if isinstance(forked_from, str) else None,
+                           tools=check_tools(record.get("tools")))
         conversation.use_settings(settings, changes)
         return conversation
 

@@ -52,7 +52,7 @@ from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError:
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
 AUTOSAVE_EVERY_S = 2.0  # while a reply streams: a crash loses at most this much of it
 _INVISIBLE = ("Cc", "Cf")  # control and format characters (zero-width space, BOM, direction marks)
-MESSAGE_ROLES = ("user", "system", "assistant")  # what send() adds; a late system message is a frontend's note
+MESSAGE_ROLES = ("user", "system", "assistant", "tool")  # what send() adds; a late system message is a frontend's note
 log = logging.getLogger("h2o_chat")
 
 
@@ -267,7 +267,7 @@ class ChatSession:
                 **timing}
 
     # --- replies: generators that do their work when iterated ---------------------------------
-    def send(self, text: str, role: str = "user") -> Iterator[str]:
+    def send(self, text: str, role: str = "user", tool_call_id: str | None = None) -> Iterator[str]:
         """Add a message and stream the reply to it.
 
         The message is checked at once; everything else happens while the returned generator is
@@ -281,7 +281,8 @@ class ChatSession:
             A system message after the history is a frontend's instruction for this reply (a
             continue nudge, an impersonation prompt); an assistant message is answered as a
             finished turn (OpenAI's semantics for a final assistant message; `continue_reply`
-            writes on in it instead).
+            writes on in it instead); a tool message is a tool's result (an API client's), for
+            the call `tool_call_id`.
 
         Returns
         -------
@@ -296,7 +297,7 @@ class ChatSession:
         """
         if role not in MESSAGE_ROLES:
             raise ValueError(f"role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
-        message = Message(role, check_text(text, empty_ok=role != "user"))
+        message = Message(role, check_text(text, empty_ok=role != "user"), tool_call_id=tool_call_id)
         self._stop.clear()  # a Stop pressed from here on stops this reply, even before it starts
         return self._exchange(message)
 
@@ -578,7 +579,8 @@ class ChatSession:
         self._check_idle()
         twin = type(self)(self.model, self.tokenizer, cache=self.cache_config, system_prompt=self.system_prompt,
                           batcher=self.batcher, **asdict(self.sampling))
-        twin.messages = [Message(m.role, m.content, m.pinned) for m in self.messages]
+        twin.messages = [Message(m.role, m.content, m.pinned, m.tool_calls, m.tool_call_id) for m in self.messages]
+        twin.conversation.tools = self.conversation.tools
         twin.timeline = self.timeline.copy()
         twin._known.replies = dict(self._known.replies)
         return twin
@@ -674,7 +676,7 @@ class ChatSession:
 
     def _segments(self, add_generation_prompt=False, open_reply=True):
         return render(self.tokenizer, self.system_prompt, self.messages, add_generation_prompt, open_reply,
-                      known=self._known)
+                      known=self._known, tools=self.conversation.tools)
 
     def _pins(self, segments, leave_out=None):
         turns = {i for i, m in enumerate(self.messages) if m.pinned} | ({SYSTEM} if self.settings.system_prompt_pinned

@@ -1,6 +1,7 @@
 """The chat template, as token segments: what the model sees of a conversation.
 
-    render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None)
+    render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None,
+           tools=None)
       -> [Segment(ids, role, turn, text)]   turn: index into messages, -1 for the system prompt;
                                             text: the message's own words (not the template's)
     turn_ranges(segments, turns) -> [(start, end)]   what a pin of those messages covers
@@ -16,11 +17,18 @@ template that refuses one (it raises, or drops its text) gets it folded into a u
 one, else the user turn before it, else a user turn of its own; if it still refuses, the system
 prompt is folded the same way.
 
+Tools (OpenAI's function tools) go to the template as they are; an assistant message's tool
+calls go with it (their arguments as objects, as templates expect), a tool result with the id of
+the call it answers. A template may drop the text of a message that carries calls (Llama 3.1
+shows only the call), and may write a tool result as a JSON string (Llama 3.1 again): its text
+is then the JSON string, still tokenized as text.
+
 `known` (a KnownTokens) gives the token ids a reply was generated as: the model draws tokens that
 BPE would often split differently, and a reply rendered from its text would then no longer match
 what the cache holds, so every turn would compute the previous reply again.
 """
 
+import json
 import os
 import threading
 from typing import NamedTuple
@@ -45,20 +53,25 @@ class Segment(NamedTuple):
     text: bool = False  # the message's own words; False: the template's (its heads, a default system prompt)
 
 
-def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None):
+def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open_reply=False, known=None, tools=None):
     """The segments of the whole history as the chat template lays it out. messages: objects
-    with .role and .content. With open_reply a last reply is left open (no end-of-turn), as
-    it is right after generating it; otherwise add_generation_prompt opens a new one."""
+    with .role and .content (and .tool_calls, .tool_call_id). With open_reply a last reply is left
+    open (no end-of-turn), as it is right after generating it; otherwise add_generation_prompt
+    opens a new one. tools: OpenAI's function tools, for a template that shows them."""
     open_last = open_reply and messages and messages[-1].role == "assistant"
     shown = messages[:-1] if open_last else messages
     add_generation_prompt = add_generation_prompt or open_last
     keys = (["s"] if system_prompt else []) + list(range(len(shown)))
     roles = {k: "system" if k == "s" else shown[k].role for k in keys}
-    text = _apply(tokenizer, keys, roles, add_generation_prompt)
+    extras = {k: template_fields(shown[k]) for k in keys if k != "s"}
+    for k, fields in extras.items():
+        if "tool_calls" in fields and not shown[k].content:  # only calls: the template sees no text at all
+            fields["content"] = ""
+    text = _apply(tokenizer, keys, roles, add_generation_prompt, extras, tools)
     segments, turn = [], -1 if system_prompt else 0
     for key in keys:
-        head, text = text.split(PLACEHOLDER.format(key), 1)
         content, role = (system_prompt, "system") if key == "s" else (shown[key].content, shown[key].role)
+        head, content, text = _split(text, key, content)
         segments += [Segment(tokenize(tokenizer, head, template=True), role, turn),
                      Segment(content_ids(tokenizer, content, role, known), role, turn, text=True)]
         turn += 1
@@ -74,11 +87,49 @@ def render(tokenizer, system_prompt, messages, add_generation_prompt=False, open
     return [s for s in segments if s.ids]
 
 
-def _apply(tokenizer, keys, roles, add_generation_prompt):
+def template_fields(message):
+    """What the template reads of a message besides its text: an assistant's tool calls (their
+    JSON arguments as objects), a tool result's call id. Keys only where they hold something
+    (Llama 3.1's template asks whether "tool_calls" is in a message at all)."""
+    out = {}
+    if getattr(message, "tool_calls", None):
+        out["tool_calls"] = [{**call, "function": {**call["function"], "arguments": _object(call["function"]["arguments"])}}
+                             for call in message.tool_calls]
+    if getattr(message, "tool_call_id", None) is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _object(arguments):
+    try:
+        return json.loads(arguments)
+    except (TypeError, json.JSONDecodeError):
+        return arguments
+
+
+def _split(text, key, content):
+    """(the template's text before message `key`, the message's text as shown, the rest): its
+    placeholder as written, or as the JSON string a template made of it, or nowhere (a template
+    that shows only a message's calls)."""
+    mark = PLACEHOLDER.format(key)
+    quoted = json.dumps(mark, ensure_ascii=False)
+    if mark in text:
+        head, rest = text.split(mark, 1)
+        return head, content, rest
+    if quoted in text:
+        head, rest = text.split(quoted, 1)
+        return head, json.dumps(content, ensure_ascii=False), rest
+    return "", "", text
+
+
+def _apply(tokenizer, keys, roles, add_generation_prompt, extras=None, tools=None):
     """The template's text with a placeholder per message: system messages where they are if the
-    template takes them, else folded (late ones first, then the system prompt too)."""
+    template takes them, else folded (late ones first, then the system prompt too). extras: the
+    template fields of each message (template_fields); a message with tool calls may have no
+    text (no placeholder), and its text may be left out by the template."""
     if not keys:
         return ""
+    extras = extras or {}
     first_turn = next((i for i, k in enumerate(keys) if roles[k] != "system"), len(keys))
     late = [k for k in keys[first_turn:] if roles[k] == "system"]
     attempts = [[[roles[k], [k]] for k in keys]]
@@ -86,16 +137,18 @@ def _apply(tokenizer, keys, roles, add_generation_prompt):
         attempts.append(fold(keys, roles, set(late)))
     if any(roles[k] == "system" for k in keys):
         attempts.append(fold(keys, roles, {k for k in keys if roles[k] == "system"}))
+    needed = [k for k in keys if "tool_calls" not in extras.get(k, {})]
     for i, groups in enumerate(attempts):
-        chat = [{"role": role, "content": FOLD_SEPARATOR.join(PLACEHOLDER.format(k) for k in group)}
-                for role, group in groups]
+        chat = [{"role": role, "content": FOLD_SEPARATOR.join(PLACEHOLDER.format(k) for k in group),
+                 **(extras.get(group[0], {}) if len(group) == 1 else {})} for role, group in groups]
         try:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(chat, tools=tools or None, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
         except TemplateError as e:
             if i == len(attempts) - 1:
                 raise ValueError(f"the model's chat template refuses this conversation: {e}") from None
             continue
-        if all(PLACEHOLDER.format(k) in text for k in keys):
+        if all(PLACEHOLDER.format(k) in text or json.dumps(PLACEHOLDER.format(k)) in text for k in needed):
             return text
     raise ValueError("the model's chat template drops some of the messages, even with system messages folded "
                      "into user turns")

@@ -11,6 +11,13 @@ thread per request; a client that disconnects stops it at the next token, or wit
 chunk while its prompt is being read. Bodies are read in requests.py (every field honoured,
 ignored or refused), answered in shapes.py's shapes.
 
+Function tools (Open WebUI attaches its built-in ones to every request) are shown to the model
+where its chat template has them, and its calls read back into OpenAI's tool_calls
+(chat/tools.py); where the template has none, the request is answered as a chat without them,
+and the X-H2O-Tools-Ignored header says so. A request without max_tokens runs until the model
+stops, bounded by what the machine can hold (chat/limits.py). Every request ends with one log
+line (requestlog.py).
+
 Per-request cache settings ride in an extension object, `"h2o": {"policy", "budget",
 "n_recent", "n_sink", "score", "positions", "pinned": [message indices]}`; the rest default to the
 app's flags.
@@ -30,11 +37,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import Message, Sampling
+from ..chat.limits import Limits
 from ..chat.sampler import stop_token_ids
 from ..chat.session import ChatSession, GenerationError
 from ..chat.template import render, token_ids, tokenize
+from ..chat.tools import KnownCalls, ToolCalls, call_prefix, renders_tools
 from ..models.quantize import weights_label
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
+from .requestlog import RequestLog
 from .requests import (
     LLAMACPP_NAMES,
     ApiError,
@@ -50,6 +60,12 @@ DISCONNECT_POLL_S = 0.1  # how often a request waiting on its worker checks that
 MAX_PROMPT_TOKENS = 32_768  # the default --max-prompt-tokens: ~1 min of prefill on a 2-core CPU, seconds on a GPU
 BODY_BYTES_PER_TOKEN = 16  # a body may hold this much per prompt token (JSON escapes, the other fields)
 NOT_SAVED_HEADER = "X-H2O-Not-Saved"  # on a response whose conversation could not be saved: why
+TOOLS_IGNORED_HEADER = "X-H2O-Tools-Ignored"  # on a response to a request whose tools the model was not shown: why
+NO_TEMPLATE_TOOLS = "this model's chat template does not show tools to the model"
+# Of chat.limits' max new tokens, what a reply without max_tokens may run to: the session checks
+# the setting against the memory free when it takes it, and memory moves meanwhile
+MACHINE_SHARE = 0.9
+UNKNOWN_BOUND = 2**31 - 1  # where the memory free cannot be told (Limits: nothing is bounded)
 log = logging.getLogger("h2o_chat")
 
 
@@ -91,6 +107,9 @@ class Api:
         self.workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
         self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20))
         self.stop_ids = stop_token_ids(model, tokenizer) if model is not None else set()
+        self.template_tools = tokenizer is not None and renders_tools(tokenizer)
+        self.known_calls = KnownCalls()  # the reply text each tool call handed out was read from
+        self.said_tools_ignored = False  # the warning that tools are ignored is logged once
 
     def make_session(self, kind, cache, system_prompt):
         if kind == "text":
@@ -111,15 +130,24 @@ class Api:
                            code="invalid_api_key")
 
     def guarded(self, handler, needs_model=True):
-        """The route: access (and readiness) checked, every ApiError answered in OpenAI's shape."""
+        """The route: access (and readiness) checked, every ApiError answered in OpenAI's shape,
+        and one log line written when the answer (or its stream) ends."""
         async def route(request: Request):
+            record = request.state.log = RequestLog(f"{request.method} {request.url.path}",
+                                                    client_name(request.headers))
             try:
                 self.check_access(request)
                 if needs_model and self.model is None:
                     raise ApiError(503, "the model is loading; try again shortly")
-                return await handler(request, **request.path_params)
+                response = await handler(request, **request.path_params)
             except ApiError as e:
+                record.done(e.status, e.message)
                 return e.response()
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = logged(response.body_iterator, record)
+            else:
+                record.done(getattr(response, "status_code", 200))
+            return response
         route.__name__ = handler.__name__
         return route
 
@@ -167,7 +195,37 @@ class Api:
         return found[0]
 
     async def chat_completions(self, request):
-        return await self.run(request, read_chat_request(await self.read_body(request), self.cache_defaults))
+        job = read_chat_request(await self.read_body(request), self.cache_defaults)
+        self.prepare_tools(job)
+        return await self.run(request, job)
+
+    def prepare_tools(self, job):
+        """Tool calls the server handed out, sent back, become the reply text they were read from
+        (the cache holds its tokens); tools go to a template that shows them, or are ignored
+        (job.tools_ignored says why; tool_choice that asks for a call is then a 400); a call
+        asked for is started in the reply (its opening written in the template's format)."""
+        for i, m in enumerate(job.messages):
+            text = self.known_calls.text_of(m["tool_calls"]) if m.get("tool_calls") else None
+            if text is not None:
+                job.messages[i] = {"role": "assistant", "content": text, "pinned": m["pinned"]}
+        if not job.tools:
+            return
+        if not self.template_tools:
+            if job.forced_tool is not None:
+                param = "function_call" if job.legacy_functions else "tool_choice"
+                raise ApiError(400, f"{param} asks for a tool call, and {NO_TEMPLATE_TOOLS}: leave {param} at "
+                                    "\"auto\" (the tools are then ignored) or load a model whose template has tools",
+                               param)
+            job.tools, job.tools_ignored = None, NO_TEMPLATE_TOOLS
+            if not self.said_tools_ignored:
+                self.said_tools_ignored = True
+                log.warning("h2o-chat: requests bring tools, and %s: they are answered without them (%s header)",
+                            NO_TEMPLATE_TOOLS, TOOLS_IGNORED_HEADER)
+            return
+        if job.forced_tool is not None and not job.continue_final:
+            job.tool_prefix = call_prefix(self.tokenizer, job.forced_tool or None)
+            job.messages.append({"role": "assistant", "content": job.tool_prefix, "pinned": False})
+            job.continue_final = True
 
     async def completions(self, request):
         return await self.run(request, read_text_request(await self.read_body(request), self.cache_defaults))
@@ -208,7 +266,7 @@ class Api:
         params = {LLAMACPP_NAMES.get(name, name): getattr(defaults, name)
                   for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
                                "presence_penalty", "frequency_penalty", "max_new_tokens")}
-        params.update(seed=-1, stop=[], n_probs=0, stream=False)
+        params.update(seed=-1, stop=[], n_probs=0, stream=False, n_predict=-1)  # -1: until the model stops
         return {"default_generation_settings": {"n_ctx": self.max_prompt_tokens, "params": params, "model": self.model_id},
                 "total_slots": self.concurrency, "model_path": self.model_id, "model_alias": self.model_id,
                 "chat_template": getattr(self.tokenizer, "chat_template", None) or "",
@@ -237,8 +295,8 @@ class Api:
                 if not job.cancelled.is_set():
                     self.check_prompt_size(job)
                     session, _ = self.pool.acquire("text" if job.kind != "chat" else "chat", job.cache,
-                                                   job.system_prompt, job.messages, job.client)
-                    answer(session, job, emit, self.stop_ids)
+                                                   job.system_prompt, job.messages, job.client, job.tools)
+                    answer(session, job, emit, self.stop_ids, self.known_calls)
             except ApiError as e:
                 emit(("error", e))
             except GenerationError as e:
@@ -254,7 +312,9 @@ class Api:
         emit(("done",))
 
     async def run(self, request, job):
-        job.client = client_name(request.headers)
+        record = request.state.log
+        job.client = record.client
+        record.note = f"tools ignored: {job.tools_ignored}" if job.tools_ignored else None
         loop = asyncio.get_running_loop()
         events = asyncio.Queue()
 
@@ -267,17 +327,37 @@ class Api:
         threading.Thread(target=self.work, args=(job, emit), daemon=True, name="h2o-api").start()
         first = await next_event(events, request, job)
         if first is None or first[0] == "done":  # the client left (or it was cancelled) before a word
+            record.error = "the client left before the first token"
             return Response(status_code=499)
         if first[0] == "error":
+            record.error = first[1].message
             return first[1].response()
         _, prompt_tokens, cached, save_error = first
         headers = {NOT_SAVED_HEADER: save_error} if save_error else {}
-        reply = Reply(job, Shape(job.kind, uuid.uuid4().hex[:24], int(time.time()), self.model_id, self.tokenizer),
-                      prompt_tokens, cached)
+        if job.tools_ignored:
+            headers[TOOLS_IGNORED_HEADER] = job.tools_ignored
+        shape = Shape(job.kind, uuid.uuid4().hex[:24], int(time.time()), self.model_id, self.tokenizer,
+                      legacy=job.legacy_functions)
+        reply = Reply(job, shape, prompt_tokens, cached, record)
         if not job.stream:
             return await reply.whole(events, request, headers)
         headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(reply.sse(events), media_type="text/event-stream", headers=headers)
+
+
+async def logged(stream, record):
+    """A response's stream, its request's log line written when it ends: whole, or cut short by
+    a client that left."""
+    finished = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        finished = True
+    finally:
+        if not finished and record.error is None:
+            tokens = (record.usage or {}).get("completion_tokens")
+            record.error = "the client left" + (f" after {tokens:,} tokens" if tokens else " mid-stream")
+        record.done()
 
 
 # frontends the page names in its list of live conversations when a request mentions them
@@ -317,43 +397,62 @@ async def next_event(events, request, job):
 
 @dataclass
 class Reply:
-    """The workers' events for one request, gathered into its answer (whole or streamed)."""
+    """The workers' events for one request, gathered into its answer (whole or streamed), its
+    figures kept in the request's log record as they come."""
 
     job: object
     shape: Shape
     prompt_tokens: int
     cached: int
+    record: RequestLog
 
     def usage(self, choices):
         return usage(self.prompt_tokens, self.cached, sum(c["tokens"] for c in choices))
 
     def new_choices(self):
         logprobs = self.job.top_logprobs is not None
-        return [{"text": "", "finish": None, "tokens": 0, "stop_word": None, "logprobs": [] if logprobs else None}
-                for _ in range(self.job.n)]
+        return [{"text": "", "finish": None, "tokens": 0, "stop_word": None, "logprobs": [] if logprobs else None,
+                 "tool_calls": []} for _ in range(self.job.n)]
+
+    def ended(self, choices, i, event):
+        """An "end" event into choice i; the usage so far into the log record."""
+        _, _, finish, tokens, stop_word = event
+        choices[i].update(finish=finish, tokens=tokens, stop_word=stop_word)
+        self.record.usage = self.usage(choices)
+
+    def so_far(self, choices):
+        """The usage of a reply cut short: the tokens each choice's session has drawn by now."""
+        drawn = [c["tokens"] if c["finish"] else (s.last_turn.new_tokens if s.last_turn else 0)
+                 for c, s in zip(choices, self.job.sessions)]
+        return usage(self.prompt_tokens, self.cached, sum(drawn))
 
     async def whole(self, events, request, headers):
         choices = self.new_choices()
         while True:
             event = await next_event(events, request, self.job)
             if event is None:
+                self.record.usage, self.record.error = self.so_far(choices), "the client left before the answer"
                 return Response(status_code=499)
             if event[0] == "text":
                 _, i, piece, entries = event
+                self.record.token()
                 choices[i]["text"] += piece
                 if entries:
                     choices[i]["logprobs"] += entries
+            elif event[0] == "tool_call":
+                self.record.token()
+                choices[event[1]]["tool_calls"].append(event[2])
             elif event[0] == "end":
-                _, i, finish, tokens, stop_word = event
-                choices[i].update(finish=finish, tokens=tokens, stop_word=stop_word)
+                self.ended(choices, event[1], event)
             elif event[0] == "error":
+                self.record.error = event[1].message
                 return event[1].response()
             elif event[0] == "done":
                 return JSONResponse(self.shape.whole(choices, self.usage(choices)), headers=headers)
 
     async def sse(self, events):
         """Each event as a server-sent event; OpenAI's end with [DONE], llama.cpp's with stop: true."""
-        shape, choices = self.shape, self.new_choices()
+        shape, choices, done = self.shape, self.new_choices(), False
         try:
             for chunk in shape.opening(self.job.n):
                 yield sse(chunk)
@@ -361,16 +460,26 @@ class Reply:
                 event = await events.get()
                 if event[0] == "text":
                     _, i, piece, entries = event
-                    yield sse(shape.chunk(i, piece, entries=entries))
+                    self.record.token()
+                    if piece or entries:
+                        yield sse(shape.chunk(i, piece, entries=entries))
+                elif event[0] == "tool_call":
+                    _, i, call = event
+                    self.record.token()
+                    choices[i]["tool_calls"].append(call)
+                    for chunk in shape.tool_call_chunks(i, len(choices[i]["tool_calls"]) - 1, call):
+                        yield sse(chunk)
                 elif event[0] == "end":
-                    _, i, finish, tokens, stop_word = event
-                    choices[i].update(finish=finish, tokens=tokens, stop_word=stop_word)
+                    self.ended(choices, event[1], event)
                     if shape.kind != "native":
-                        yield sse(shape.chunk(i, None, finish))
+                        yield sse(shape.chunk(event[1], None, event[2]))
                 elif event[0] == "error":
+                    self.record.error = event[1].message
                     yield sse(event[1].body() if shape.kind == "native" else {"error": event[1].body()["error"]})
+                    done = True
                     break
                 elif event[0] == "done":
+                    done = True
                     if shape.kind == "native":
                         yield sse(shape.native_end(choices[0], self.usage(choices)))
                         break
@@ -380,25 +489,29 @@ class Reply:
                     break
         finally:  # a client that disconnects lands here too (the stream is cancelled): stop its reply
             self.job.cancel()
+            if not done:
+                self.record.usage = self.so_far(choices)
 
 
-def answer(session, job, emit, stop_ids=()):
+def answer(session, job, emit, stop_ids=(), known_calls=None):
     """Every choice of `job`: choice 0 in `session`, the others at the same time in copies of it
     made before it changes, so their decode steps are rows of one batch (when the app batches).
     Events: ("start", prompt_tokens, cached_tokens, save_error) once, before any other; then per
-    choice ("text", i, piece, logprob entries) and ("end", i, finish_reason, completion_tokens,
-    stop_word)."""
+    choice ("text", i, piece, logprob entries) for every piece the session streams (a piece may
+    be "" while text that could be a tool call is held back), ("tool_call", i, call) for each
+    call read out of it, and ("end", i, finish_reason, completion_tokens, stop_word).
+    known_calls: remembers the text each call was read from."""
     copies = [session.copy() for _ in range(job.n - 1)]
     job.sessions += [session, *copies]
     if job.cancelled.is_set():
         return
     started = threading.Event()  # choice 0 has said "start": the others may speak
-    threads = [threading.Thread(target=reply_in_thread, args=(s, job, emit, i + 1, started, stop_ids), daemon=True,
-                                name="h2o-api-choice") for i, s in enumerate(copies)]
+    threads = [threading.Thread(target=reply_in_thread, args=(s, job, emit, i + 1, started, stop_ids, known_calls),
+                                daemon=True, name="h2o-api-choice") for i, s in enumerate(copies)]
     for t in threads:
         t.start()
     try:
-        reply(session, job, emit, 0, started, stop_ids)
+        reply(session, job, emit, 0, started, stop_ids, known_calls)
     except BaseException:
         job.cancel()  # the answer is the error: the other choices stop too
         raise
@@ -408,32 +521,49 @@ def answer(session, job, emit, stop_ids=()):
             t.join()
 
 
-def reply_in_thread(session, job, emit, index, started, stop_ids):
+def reply_in_thread(session, job, emit, index, started, stop_ids, known_calls):
     try:
-        reply(session, job, emit, index, started, stop_ids)
+        reply(session, job, emit, index, started, stop_ids, known_calls)
     except Exception as e:
         log.exception("h2o-chat: choice %d failed", index)
         emit(("error", ApiError(503 if isinstance(e, GenerationError) else 500, str(e) if isinstance(
             e, ValueError) else f"internal error ({type(e).__name__})")))
 
 
-def reply(session, job, emit, index, started, stop_ids=()):
+def machine_bound(session):
+    """The most tokens a reply without max_tokens may run to here: MACHINE_SHARE of what the
+    memory free now holds (chat.limits), for this session's cache."""
+    most = Limits.of(session.model).max_new_tokens(session.cache_config)
+    return UNKNOWN_BOUND if most is None else max(1, int(most * MACHINE_SHARE))
+
+
+def reply(session, job, emit, index, started, stop_ids=(), known_calls=None):
     """One choice: take the request's history (the system prompt is the session's own: the pool
-    lends only sessions that have it) and stream the reply to its last message, or write on in a
-    final assistant message when the client asked (job.continue_final)."""
+    lends only sessions that have it; the tools the template shows, the request's) and stream
+    the reply to its last message, or write on in a final assistant message (job.continue_final).
+    With tools, the reply's text is read for calls as it streams."""
     last = job.messages[-1]
     history = job.messages if job.continue_final else job.messages[:-1]
     sampling = dict(job.sampling)
+    if sampling["max_new_tokens"] is None:
+        sampling["max_new_tokens"] = machine_bound(session)
     if index and sampling["seed"] is not None:
         sampling["seed"] += index  # each choice its own draw, all of them reproducible
     if job.ignore_eos:
         sampling["logit_bias"] = tuple(sorted({**dict(sampling["logit_bias"]), **{i: -100.0 for i in stop_ids}}.items()))
     session.configure(**sampling)  # stop strings too: the session cuts at them, and unfeeds what it cut
     session.top_logprobs = job.top_logprobs
+    session.conversation.tools = job.tools
     session.messages = [dict(m) for m in history]
-    stream = session.continue_reply() if job.continue_final else session.send(last["content"], role=last["role"])
+    if job.continue_final:
+        stream = session.continue_reply()
+    else:
+        stream = session.send(last["content"], role=last["role"], tool_call_id=last.get("tool_call_id"))
     if job.cancelled.is_set():  # cancelled while the session was being lent: send() has just cleared its stop
         session.stop()
+    names = [t["function"]["name"] for t in job.tools or []]
+    calls = ToolCalls(names, job.tool_prefix) if job.tools else None
+    made = []  # the calls handed out
     sent = 0  # logprob entries sent
 
     def start():
@@ -451,12 +581,28 @@ def reply(session, job, emit, index, started, stop_ids=()):
         out, sent = session.token_logprobs[sent:upto], max(sent, upto)
         return out
 
+    def tell(content, found):
+        for call in found:
+            if job.parallel_tool_calls or not made:
+                made.append(call)
+                emit(("tool_call", index, call))
+        return content
+
     for piece in stream:
         start()
+        if calls is not None:
+            piece = tell(*calls.feed(piece))
         emit(("text", index, piece, entries(session.tokens_shown())))
     start()
     stats = session.last_turn
-    rest = entries(stats.kept_tokens)
-    if rest:
-        emit(("text", index, "", rest))
-    emit(("end", index, "length" if stats.finish == "length" else "stop", stats.kept_tokens, stats.stop_string))
+    rest = tell(*calls.finish()) if calls is not None else ""
+    more = entries(stats.kept_tokens)
+    if rest or more:
+        emit(("text", index, rest, more))
+    finish = "length" if stats.finish == "length" else "stop"
+    if made:
+        if known_calls is not None:
+            known_calls.remember(made, session.messages[-1].content, names)
+        if finish == "stop":
+            finish = "function_call" if job.legacy_functions else "tool_calls"
+    emit(("end", index, finish, stats.kept_tokens, stats.stop_string))

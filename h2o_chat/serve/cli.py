@@ -4,7 +4,9 @@ serve the chat UI with the OpenAI-compatible /v1 API beside it. `h2o-chat --help
 import argparse
 import errno
 import hmac
+import importlib
 import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -55,7 +57,35 @@ def quantization_of(args):
     return old[0] if old else args.quantization
 
 
+APP_MODULES = ("fastapi", "gradio")  # what the [app] extra brings (gradio brings fastapi)
+APP_EXTRA = 'pip install "h2o-chat[app]"'
+
+
+def check_app_installed():
+    """The app's own packages are there: else one line that says what to install (the library
+    installs without them, and the command came with it)."""
+    for name in APP_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            sys.exit(f"h2o-chat: the app needs {name}, which is not installed: {APP_EXTRA} (the [app] extra)")
+
+
+def show_requests(quiet):
+    """One line per API request on stderr (serve/requestlog.py), unless --quiet."""
+    logger = logging.getLogger("h2o_chat.requests")
+    if quiet:
+        logger.setLevel(logging.WARNING)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the line once, whatever else configures the root logger
+
+
 def parse_args(argv=None):
+    check_app_installed()
     from ..cache.config import APP_FIELDS, CacheConfig
     from .api import MAX_PROMPT_TOKENS
     from .pool import MAX_IDLE_KV_MIB
@@ -91,6 +121,9 @@ def parse_args(argv=None):
     p.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
                    help="an API request whose prompt is longer is refused before any of it is computed "
                         f"(default {MAX_PROMPT_TOKENS:,}: about a minute of prefill on a 2-core CPU)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no log line per API request (by default each shows its route, status, client, tokens and "
+                        "speed)")
     return p.parse_args(argv)
 
 
@@ -173,6 +206,7 @@ def main(argv=None):
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
     except (ValueError, ModelLoadError) as e:
         sys.exit(f"h2o-chat: {e}")
+    show_requests(args.quiet)
     from ..chat.batch import Batcher
     batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
     from .api import create_router

@@ -45,14 +45,15 @@ class TextSession(ChatSession):
         self._known.remember("".join(m.content for m in self.messages), self.timeline.fed)
 
 
-def shared_tokens(session, system_prompt, messages):
+def shared_tokens(session, system_prompt, messages, tools=None):
     """How many of `session`'s fed tokens belong to messages (system prompt included) that
     `messages` repeats word for word: a lower bound of the token prefix the two share, read
-    from the ledger's turn of every fed token (the system prompt is turn -1)."""
+    from the ledger's turn of every fed token (the system prompt is turn -1). Different tools
+    (the template shows them before the first message): none."""
     if isinstance(session, TextSession):  # one growing text: the characters it starts with
         old, new = "".join(m["content"] for m in session.history), "".join(m["content"] for m in messages)
         return len(os.path.commonprefix([old, new]))
-    if session.system_prompt != system_prompt:
+    if session.system_prompt != system_prompt or session.conversation.tools != (tools or None):
         return 0
     same = messages_repeated(session, system_prompt, messages)
     return sum(1 for t in session.ledger.turns if t < same)
@@ -85,14 +86,14 @@ class SessionPool:
         with self._released:
             return [(s, self._clients.get(id(s))) for s in reversed(self._sessions)]
 
-    def acquire(self, kind, cache, system_prompt, messages, client=None):
+    def acquire(self, kind, cache, system_prompt, messages, client=None, tools=None):
         """Lend the idle session of this kind and cache setting that shares the most tokens with
         the request (a new one when none shares any); when a lent one shares more (a swipe sent
         right after a stop), wait up to LENT_WAIT_S for it. Returns (session, forked): forked is
         True when a lent session's history is rewritten before its last exchange (a new
         conversation that starts like an old one, an old message edited): it is then saved under
         a new id, so the conversation it held stays in the saved list. client: who asks (for the
-        page's list of live conversations)."""
+        page's list of live conversations). tools: the function tools the template shows."""
         config = cache_config(cache)
         deadline = time.monotonic() + LENT_WAIT_S
         with self._released:
@@ -101,7 +102,7 @@ class SessionPool:
                 for session in self._sessions:
                     if type(session) is not _KINDS[kind] or session.cache_config != config:
                         continue
-                    shared = shared_tokens(session, system_prompt, messages)
+                    shared = shared_tokens(session, system_prompt, messages, tools)
                     if id(session) in self._lent:
                         lent_shared = max(lent_shared, shared)
                     elif shared > best_shared or (best is not None and shared == best_shared > 0):

@@ -13,6 +13,7 @@ names). Each body field is one of
 and any other field is ignored. The README's field table lists the same names.
 """
 
+import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field
@@ -20,19 +21,18 @@ from dataclasses import asdict, dataclass, field
 from fastapi.responses import JSONResponse
 
 from ..cache.config import APP_FIELDS
-from ..chat.conversation import Sampling, cache_config
+from ..chat.conversation import Sampling, cache_config, check_tools
 from ..chat.session import check_text
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: a legacy tool result
 MAX_CHOICES = 8  # n: rows of one batch
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)  # llama.cpp's and SillyTavern's "random" (llama.cpp reports -1 as 4294967295)
-UNLIMITED_PREDICT = 4096  # llama.cpp's n_predict -1 ("until the end of the turn"), bounded
+UNLIMITED_PREDICT = (-1, -2)  # llama.cpp's n_predict "until the end of the turn" (-2: "until the context is full")
 
 # Fields whose effect we do not implement: refused unless they hold this default (a value, or a
 # set of values that mean "off"). Empty strings, lists and objects count as their default too.
 REFUSED = {
-    "tools": None, "functions": None, "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "json_schema": None, "grammar": None, "grammar_string": None,
     "guided_json": None, "guided_grammar": None, "echo": (False,), "suffix": None, "best_of": (1,),
     "mirostat": (0,), "mirostat_mode": (0,), "dry_multiplier": (0,), "xtc_probability": (0,), "top_a": (0,),
@@ -45,7 +45,7 @@ REFUSED = {
 # Fields accepted without effect, and why: bookkeeping, or what H2O makes moot (no context to
 # truncate, every prompt reused), or our fixed sampler order (see chat/sampler.py).
 IGNORED = (
-    "model_name user metadata store service_tier parallel_tool_calls modalities reasoning_effort prediction "
+    "model_name user metadata store service_tier modalities reasoning_effort prediction "
     "user_name char_name api_type api_server legacy_api chat_completion_source custom_url custom_include_body "
     "custom_exclude_body custom_include_headers custom_prompt_post_processing "
     "add_bos_token skip_special_tokens spaces_between_special_tokens truncation_length num_ctx max_tokens_second "
@@ -85,8 +85,8 @@ class Job:
 
     kind: str  # "chat", "text" (OpenAI's completions) or "native" (llama.cpp's /completion)
     system_prompt: str | None
-    messages: list  # [{"role", "content", "pinned"}]: the last one is answered (or continued)
-    sampling: dict  # Sampling's fields
+    messages: list  # [{"role", "content", "pinned", "tool_calls"?, "tool_call_id"?}]: the last one is answered
+    sampling: dict  # Sampling's fields; max_new_tokens None: until the model stops (the machine's bound)
     cache: dict
     stream: bool = False
     include_usage: bool = False
@@ -97,6 +97,12 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     sessions: list = field(default_factory=list)
     client: str | None = None  # who sent it (client_name), for the page's list of live conversations
+    tools: list | None = None  # OpenAI's function tools, for the template to show (None: none, or "none" chosen)
+    forced_tool: str | None = None  # tool_choice "required" (""), or the name of the function it must call
+    parallel_tool_calls: bool = True  # False: at most one call is handed back
+    legacy_functions: bool = False  # asked with `functions`: answered with message.function_call
+    tools_ignored: str | None = None  # why the tools given were not shown to the model (X-H2O-Tools-Ignored)
+    tool_prefix: str = ""  # the opening of a call the reply was made to start with (a call asked for)
 
     def cancel(self):
         """The client has gone: stop now (safe from any thread, at any point of the job)."""
@@ -130,9 +136,11 @@ def _checked(text, where, empty_ok=False, param="messages"):
 
 
 def read_messages(messages):
-    """(system_prompt, [{"role", "content", "pinned"}], n_leading): the leading system (or
-    developer) messages make the system prompt; every other message keeps its place, a later system
-    message too (SillyTavern's author's note, continue nudge, impersonation prompt)."""
+    """(system_prompt, [{"role", "content", "pinned", "tool_calls"?, "tool_call_id"?}], n_leading):
+    the leading system (or developer) messages make the system prompt; every other message keeps
+    its place, a later system message too (SillyTavern's author's note, continue nudge,
+    impersonation prompt). An assistant's tool calls (legacy: function_call) and a tool's result
+    (legacy: role "function") are kept for the template."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     system, chat = [], []
@@ -142,25 +150,89 @@ def read_messages(messages):
             raise ApiError(400, f"{where} must be an object with role and content", "messages")
         role = m.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"{where}: unknown role {role!r}; the roles are {', '.join(ROLES)} (no tools)",
-                           "messages")
-        if m.get("tool_calls"):
-            raise ApiError(400, f"{where}: tool calls are not supported", "messages")
+            raise ApiError(400, f"{where}: unknown role {role!r}; the roles are {', '.join(ROLES)}", "messages")
         content = m.get("content")
-        if content is None and role == "assistant":
+        if content is None and role in ("assistant", "tool", "function"):
             content = ""
         text = _text_of(content, where)
-        role = "system" if role == "developer" else role
+        role = {"developer": "system", "function": "tool"}.get(role, role)
         if role == "system" and not chat:
             system.append(_checked(text, f"{where} (system)", empty_ok=True))
-        else:
-            chat.append({"role": role, "content": _checked(text, where, empty_ok=role != "user"), "pinned": False})
+            continue
+        message = {"role": role, "content": _checked(text, where, empty_ok=role != "user"), "pinned": False}
+        calls = _read_calls(m, where) if role == "assistant" else None
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise ApiError(400, f"{where}: tool_call_id must be text", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        chat.append(message)
     if not any(m["role"] == "user" for m in chat):
         raise ApiError(400, "messages hold no user message", "messages")
     system_prompt = "\n\n".join(s for s in system if s.strip()) or None
     if system_prompt is not None:
         _checked(system_prompt, "the system prompt", empty_ok=True)
     return system_prompt, chat, len(system)
+
+
+def _read_calls(message, where):
+    """An assistant message's tool calls in OpenAI's shape (arguments as JSON text), from its
+    tool_calls or its legacy function_call; [] when it has none."""
+    calls = message.get("tool_calls")
+    if calls in (None, []) and isinstance(message.get("function_call"), dict):
+        calls = [{"id": None, "type": "function", "function": message["function_call"]}]
+    if calls in (None, []):
+        return []
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}: tool_calls must be a list of calls", "messages")
+    read = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{where}: each tool call needs a function with a name", "messages")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        read.append({"id": call.get("id"), "type": "function",
+                     "function": {"name": function["name"], "arguments": arguments}})
+    return read
+
+
+def read_tools(body):
+    """(tools or None, forced, parallel, legacy) from tools / tool_choice / parallel_tool_calls,
+    or the legacy functions / function_call (read the same way). forced: None (the model
+    chooses), "" (tool_choice "required": some call) or the name of the function it must call.
+    tool_choice "none": no tools at all (the template is not shown them)."""
+    legacy = body.get("tools") in (None, []) and body.get("functions") not in (None, [])
+    if legacy:
+        functions = body["functions"]
+        if not isinstance(functions, list):
+            raise ApiError(400, "functions must be a list of functions", "functions")
+        tools, choice, param = [{"type": "function", "function": f} for f in functions], body.get("function_call"), \
+            "function_call"
+    else:
+        tools, choice, param = body.get("tools"), body.get("tool_choice"), "tool_choice"
+    try:
+        tools = check_tools(tools or None)
+    except ValueError as e:
+        raise ApiError(400, str(e), "functions" if legacy else "tools") from None
+    names = [t["function"]["name"] for t in tools or []]
+    forced = None
+    if choice == "none":
+        tools = None
+    elif choice == "required":
+        forced = ""
+    elif isinstance(choice, dict):
+        forced = (choice.get("function") or {}).get("name") if not legacy else choice.get("name")
+        if not isinstance(forced, str) or forced not in names:
+            raise ApiError(400, f"{param} names a function the request does not offer ({choice!r}); the tools are "
+                                f"{', '.join(names) or 'none'}", param)
+    elif choice not in (None, "auto"):
+        raise ApiError(400, f"{param} must be \"none\", \"auto\", \"required\" or a function, got {choice!r}", param)
+    if forced is not None and not tools:
+        raise ApiError(400, f"{param} asks for a call, and the request offers no tools", param)
+    return tools, forced, body.get("parallel_tool_calls") is not False, legacy
 
 
 # --- sampling -----------------------------------------------------------------------------------
@@ -207,8 +279,9 @@ def read_logit_bias(value):
 
 def read_sampling(body, names=None):
     """Sampling fields -> all of Sampling's (what a request leaves out is Sampling's default, never
-    what the session's previous request said), checked by Sampling. names: the body's name for
-    each Sampling field where it differs (llama.cpp's repeat_penalty, n_predict)."""
+    what the session's previous request said), checked by Sampling; no max_tokens is
+    max_new_tokens None (until the model stops). names: the body's name for each Sampling field
+    where it differs (llama.cpp's repeat_penalty, n_predict)."""
     names = names or {}
     check_refused(body)
     sampling = asdict(Sampling())
@@ -232,7 +305,10 @@ def read_sampling(body, names=None):
     sampling["stop"] = () if stop is None else stop
     sampling["logit_bias"] = read_logit_bias(body.get("logit_bias"))
     try:
-        return asdict(Sampling(**sampling))  # as Sampling reads them: a stop string becomes a tuple of one
+        checked = asdict(Sampling(**sampling))  # as Sampling reads them: a stop string becomes a tuple of one
+        if max_tokens is None:  # until the model stops, as OpenAI and llama.cpp: the machine's bound, at reply time
+            checked["max_new_tokens"] = None
+        return checked
     except (TypeError, ValueError) as e:
         name = str(e).split(" ")[0].split("[")[0]
         name = {"max_new_tokens": "max_tokens"}.get(name, name)
@@ -308,16 +384,22 @@ def stream_flags(body):
 
 def read_chat_request(body, cache_defaults):
     """A /v1/chat/completions body (a dict) -> the Job that answers it; ApiError (400) saying what
-    is wrong with anything it cannot run."""
+    is wrong with anything it cannot run. A final assistant message is written on (prefill, as
+    llama.cpp's server and Ollama do) unless continue_final_message is false or
+    add_generation_prompt true (then it is answered as a finished turn, as OpenAI does)."""
     system_prompt, messages, n_system = read_messages(body.get("messages"))
     sampling = read_sampling(body)
     cache, pinned = read_cache(body, cache_defaults, n_system, len(messages))
     for turn in pinned:
         messages[turn]["pinned"] = True
-    continue_final = body.get("continue_final_message") is True or body.get("add_generation_prompt") is False
+    tools, forced, parallel, legacy = read_tools(body)
+    asked = body.get("continue_final_message")
+    continue_final = asked if isinstance(asked, bool) else body.get("add_generation_prompt") is not True
+    last = messages[-1]
     return Job("chat", system_prompt, messages, sampling, cache, *stream_flags(body), n=read_choices(body),
                top_logprobs=read_top_logprobs(body, "chat"), ignore_eos=ignores_eos(body),
-               continue_final=continue_final and messages[-1]["role"] == "assistant")
+               continue_final=continue_final and last["role"] == "assistant" and not last.get("tool_calls"),
+               tools=tools, forced_tool=forced, parallel_tool_calls=parallel, legacy_functions=legacy)
 
 
 def ignores_eos(body):
@@ -352,8 +434,8 @@ def read_native_request(body, cache_defaults):
     n_probs, ignore_eos), its defaults where they differ from OpenAI's, one prompt string."""
     prompt = _prompt(body)
     body = dict(body)
-    if body.get("n_predict") in (-1, None) and body.get("max_tokens") is None:
-        body["n_predict"] = UNLIMITED_PREDICT
+    if body.get("n_predict") in UNLIMITED_PREDICT:
+        body["n_predict"] = None  # until the model stops (the machine's bound)
     if body.get("repeat_penalty") is None and body.get("repetition_penalty") is not None:
         body["repeat_penalty"] = body["repetition_penalty"]
     sampling = read_sampling(body, LLAMACPP_NAMES)

@@ -1,6 +1,11 @@
 """The response objects, in each client's shape: OpenAI's chat.completion and text_completion
 (whole, or as server-sent event chunks) and llama.cpp's /completion (its `content`/`stop` stream).
 
+A chat reply's tool calls (chat/tools.py reads them out of its text) go in message.tool_calls
+with finish_reason "tool_calls" (a request that used the legacy `functions`: message.function_call,
+"function_call"); streamed, each call is two delta chunks as OpenAI sends them: its index, id and
+name with empty arguments, then its arguments.
+
 A reply is told to a Shape as choices of text pieces with their tokens' logprobs, as
 `[(token id, logprob, [(id, logprob)] * k)]` (chat/sampler.py); each shape writes them its way:
 
@@ -35,6 +40,7 @@ class Shape:
     created: int
     model: str
     tokenizer: object = None
+    legacy: bool = False  # the request used `functions`: calls are answered as function_call
     offsets: dict = field(default_factory=dict)  # text completions' text_offset: characters so far, per choice
 
     def _head(self, obj):
@@ -81,13 +87,21 @@ class Shape:
         if self.kind == "native":
             return self.native_end(choices[0], use, whole=True, extra=extra)
         if self.kind == "chat":
-            out = [{"index": i, "message": {"role": "assistant", "content": c["text"]},
-                    "logprobs": self.logprobs(c["logprobs"], i), "finish_reason": c["finish"]}
-                   for i, c in enumerate(choices)]
+            out = [{"index": i, "message": self._message(c), "logprobs": self.logprobs(c["logprobs"], i),
+                    "finish_reason": c["finish"]} for i, c in enumerate(choices)]
             return {**self._head("chat.completion"), "choices": out, "usage": use}
         out = [{"index": i, "text": c["text"], "logprobs": self.logprobs(c["logprobs"], i), "finish_reason": c["finish"]}
                for i, c in enumerate(choices)]
         return {**self._head("text_completion"), "choices": out, "usage": use}
+
+    def _message(self, choice):
+        calls = choice.get("tool_calls") or []
+        message = {"role": "assistant", "content": choice["text"] if choice["text"] or not calls else None}
+        if calls and self.legacy:
+            message["function_call"] = dict(calls[0]["function"])
+        elif calls:
+            message["tool_calls"] = calls
+        return message
 
     # --- streams --------------------------------------------------------------------------------
     def opening(self, n):
@@ -111,6 +125,18 @@ class Shape:
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": delta or "", "logprobs": self.logprobs(entries, index), "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def tool_call_chunks(self, index, number, call):
+        """A whole call of choice `index` (its `number`-th) as OpenAI streams one: index, id, type
+        and name with empty arguments first, then the arguments."""
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        if self.legacy:
+            deltas = [{"function_call": {"name": name, "arguments": ""}}, {"function_call": {"arguments": arguments}}]
+        else:
+            deltas = [{"tool_calls": [{"index": number, "id": call["id"], "type": "function",
+                                       "function": {"name": name, "arguments": ""}}]},
+                      {"tool_calls": [{"index": number, "function": {"arguments": arguments}}]}]
+        return [self.chunk(index, delta) for delta in deltas]
 
     def usage_chunk(self, use):
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
