@@ -3,6 +3,8 @@ client against a live server on 127.0.0.1. The tiny random chat model (float64, 
 exact comparisons never hinge on rounding) stands in where real text is not needed."""
 
 import json
+import logging
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -15,13 +17,15 @@ import torch
 
 import app as app_main
 import h2o_chat.models.load
-from h2o_chat import ChatSession
+from h2o_chat import ChatSession, Sampling
 from h2o_chat.chat import store
 from h2o_chat.chat.batch import Batcher
+from h2o_chat.chat.limits import Limits
+from h2o_chat.serve import api as api_module
 from h2o_chat.serve.api import client_name, create_router
 from h2o_chat.ui.page import CSS, build
 from tests.conftest import make_tiny_chat
-from tests.live import free_port, never_ending
+from tests.live import deadline, free_port, never_ending
 
 # every test here starts a server (the app, or app.py in a process)
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.live, pytest.mark.slow]
@@ -291,6 +295,110 @@ def test_stop_strings_end_the_reply_before_them(client, stream):
         reply = chat(client, messages, max_tokens=30, stop=stop)
         text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
     assert text == expected and stop not in text and finish == "stop"
+
+
+# ---------------------------------------------------------------------------------------------
+# No max_tokens: until the model stops, or the machine's bound
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "native"])
+def test_without_max_tokens_a_reply_runs_past_256_to_the_machines_bound(server, monkeypatch, route):
+    """OpenAI, llama.cpp (n_predict -1) and Open WebUI's requests give no max_tokens: the reply
+    runs until the model stops, not to Sampling's 256 (the page's default). ignore_eos keeps the
+    tiny model going: it stops at what the machine can hold (made small here), said "length"."""
+    monkeypatch.setattr(Limits, "max_new_tokens", lambda self, cache: 330)
+    bound = int(330 * api_module.MACHINE_SHARE)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    if route == "native":
+        body = {"prompt": "<|im_start|>user\nGo on and on.<|im_end|>\n<|im_start|>assistant\n", "n_predict": -1,
+                "ignore_eos": True, "temperature": 0}
+        reply = httpx.post(server["url"] + "/completion", json=body, headers=auth, timeout=DEADLINE_S).json()
+        assert reply["tokens_predicted"] == bound > 256 and reply["stop_type"] == "limit"
+        return
+    if route == "chat":
+        body = {"messages": [{"role": "user", "content": "Go on and on."}], "ignore_eos": True, "temperature": 0}
+    else:
+        body = {"prompt": "Go on and on.", "ignore_eos": True, "temperature": 0}
+    reply = httpx.post(f"{server['url']}/v1/{'chat/' if route == 'chat' else ''}completions", json=body, headers=auth,
+                       timeout=DEADLINE_S).json()
+    assert reply["usage"]["completion_tokens"] == bound > 256 and reply["choices"][0]["finish_reason"] == "length"
+    if route == "chat":  # the bound was this request's: the saved conversation keeps the page's default
+        session = next(s for s, _ in server["router"].pool.live() if s.messages[0].content == "Go on and on.")
+        assert session.sampling.max_new_tokens == Sampling().max_new_tokens
+        saved = store.load(server["data"], session.id)
+        assert saved["sampling"]["max_new_tokens"] == Sampling().max_new_tokens
+
+
+def test_a_reply_without_max_tokens_that_the_model_ends_says_stop(client):
+    """A small bias towards <|im_end|> makes the random model end this reply after a few tokens."""
+    messages = [{"role": "user", "content": "Hello, who are you?"}]
+    bias = {str(make_tiny_chat()[1].convert_tokens_to_ids("<|im_end|>")): 0.15}
+    bounded = chat(client, messages, max_tokens=400, logit_bias=bias)
+    free = client.chat.completions.create(model="h2o-chat", messages=messages, temperature=0, logit_bias=bias)
+    assert free.choices[0].message.content == bounded.choices[0].message.content
+    assert free.choices[0].finish_reason == bounded.choices[0].finish_reason == "stop"  # the model ended it
+    assert 0 < free.usage.completion_tokens < 400
+
+
+# ---------------------------------------------------------------------------------------------
+# One log line per request
+
+
+LINE = re.compile(r"(?P<route>\S+ \S+) (?P<status>\d+) · (?P<client>[^·]+) · prompt (?P<prompt>[\d,]+) "
+                  r"\((?P<cached>[\d,]+) cached\) · (?P<new>[\d,]+) new · TTFT (?P<ttft>[\d.]+) s · "
+                  r"(?P<rate>[\d.]+) tokens/s · (?P<seconds>[\d.]+) s")
+
+
+def logged_lines(caplog, count):
+    """The request log's lines, once there are `count` (a stream's is written as it closes)."""
+    for _ in deadline(10):
+        lines = [r.getMessage() for r in caplog.records if r.name == "h2o_chat.requests"]
+        if len(lines) >= count:
+            return lines
+
+
+def numbers(match):
+    return {k: int(match[k].replace(",", "")) for k in ("status", "prompt", "cached", "new")}
+
+
+def test_every_request_writes_one_line_with_its_tokens_and_speed(client, caplog):
+    messages = [{"role": "user", "content": "Log me, please."}]
+    with caplog.at_level(logging.INFO, logger="h2o_chat.requests"):
+        whole = chat(client, messages, max_tokens=12)
+        text, _, usage = streamed(client, messages + [{"role": "assistant", "content": whole.choices[0].message.content},
+                                                      {"role": "user", "content": "More."}], max_tokens=9)
+        with pytest.raises(openai.BadRequestError):
+            chat(client, [{"role": "wizard", "content": "hi"}])
+        lines = logged_lines(caplog, 3)
+    assert len(lines) == 3
+    first, second = LINE.fullmatch(lines[0]), LINE.fullmatch(lines[1])
+    assert first and second, lines
+    assert first["route"] == second["route"] == "POST /v1/chat/completions" and first["client"] == "OpenAI/Python"
+    assert numbers(first) == {"status": 200, "prompt": whole.usage.prompt_tokens, "cached": cached(whole),
+                              "new": 12}
+    assert numbers(second) == {"status": 200, "prompt": usage.prompt_tokens,
+                               "cached": usage.prompt_tokens_details.cached_tokens, "new": 9}
+    assert numbers(second)["cached"] > 0
+    for match in (first, second):
+        assert 0 < float(match["ttft"]) <= float(match["seconds"]) and float(match["rate"]) > 0
+    assert lines[2].startswith("POST /v1/chat/completions 400 · OpenAI/Python · ")
+    assert lines[2].endswith("messages[0]: unknown role 'wizard'; the roles are system, developer, user, assistant, "
+                             "tool, function")
+
+
+def test_a_client_that_leaves_is_logged_with_how_far_it_got(tmp_path, caplog):
+    model, tokenizer = never_ending(*make_tiny_chat(torch.float64))
+    with api_server(tmp_path, model, tokenizer, concurrency=1) as (url, router), \
+            caplog.at_level(logging.INFO, logger="h2o_chat.requests"):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
+        stream = client.chat.completions.create(model="h2o-chat", messages=[{"role": "user", "content": "go on"}],
+                                                max_tokens=100_000, stream=True)
+        for _ in range(5):
+            next(stream)
+        stream.close()
+        (line,) = logged_lines(caplog, 1)
+    assert line.startswith("POST /v1/chat/completions 200 · OpenAI/Python · prompt ")
+    assert re.search(r"· the client left after [\d,]+ tokens$", line), line
 
 
 # ---------------------------------------------------------------------------------------------

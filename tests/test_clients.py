@@ -179,14 +179,30 @@ def test_penalties_and_logit_bias_change_the_reply(client):
     assert out != text and max(out.count(c) for c in set(out)) <= max(text.count(c) for c in set(text))
 
 
-def test_a_final_assistant_message_is_answered_unless_the_client_asks_to_continue_it(client):
+def test_a_final_assistant_message_is_continued_as_the_model_would_have_written_it(client):
+    """Open WebUI's "Continue response": the history ends with the reply. It is written on from
+    where it ends, from the tokens the cache already holds (every prompt token is cached), and
+    the two halves are exactly the reply one longer request gets."""
+    question = [{"role": "user", "content": "Recite the letters, please."}]
+    start = [{"role": "assistant", "content": "A B C D E F G"}]
+    half = client.chat.completions.create(model="h2o-chat", messages=question + start, max_tokens=10, temperature=0)
+    first = half.choices[0].message.content
+    more = client.chat.completions.create(model="h2o-chat", max_tokens=10, temperature=0, messages=question + [
+        {"role": "assistant", "content": "A B C D E F G" + first}])
+    whole = client.chat.completions.create(model="h2o-chat", messages=question + start, max_tokens=20, temperature=0)
+    assert first + more.choices[0].message.content == whole.choices[0].message.content
+    assert more.usage.prompt_tokens == half.usage.prompt_tokens + half.usage.completion_tokens
+    assert more.usage.prompt_tokens_details.cached_tokens == more.usage.prompt_tokens  # nothing recomputed
+
+
+@pytest.mark.parametrize("finished", [{"continue_final_message": False}, {"add_generation_prompt": True}])
+def test_a_final_assistant_message_is_answered_when_the_client_says_it_is_finished(client, finished):
     messages = [{"role": "user", "content": "Start a list."}, {"role": "assistant", "content": "1. Apples"}]
-    answered = client.chat.completions.create(model="h2o-chat", messages=messages, max_tokens=8, temperature=0)
-    continued = client.chat.completions.create(model="h2o-chat", messages=messages, max_tokens=8, temperature=0,
-                                               extra_body={"continue_final_message": True})
+    answered = client.chat.completions.create(model="h2o-chat", messages=messages, max_tokens=8, temperature=0,
+                                              extra_body=finished)
+    continued = client.chat.completions.create(model="h2o-chat", messages=messages, max_tokens=8, temperature=0)
     fresh = client.chat.completions.create(model="h2o-chat", max_tokens=8, temperature=0,
-                                           messages=messages + [{"role": "assistant", "content": ""}],
-                                           extra_body={"continue_final_message": True})
+                                           messages=messages + [{"role": "assistant", "content": ""}])
     assert answered.choices[0].message.content == fresh.choices[0].message.content  # a new turn after it
     assert continued.choices[0].message.content != answered.choices[0].message.content
 
@@ -304,3 +320,21 @@ def test_a_story_resent_every_turn_gets_what_one_session_gets_token_for_token(tm
         alone.configure(seed=100 + i, logit_bias=bias)
         assert "".join(alone.send(text)) == served[i]
     assert any("the" in r for r in served)  # replies BPE re-tokenizes differently were there to reuse
+
+
+@pytest.mark.embedded
+def test_the_embedded_model_continues_a_b_c_d_e_f_g_with_h(tmp_path, embedded_model):
+    """Greedy, the real model writes on in the assistant's message: " H" first; continued again,
+    the prompt is the tokens the cache holds (all of them cached)."""
+    with api_server(tmp_path, *embedded_model, concurrency=1) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=DEADLINE_S, max_retries=0)
+        model = client.models.list().data[0].id
+        question = {"role": "user", "content": "Recite the alphabet with spaces between the letters."}
+        first = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+            question, {"role": "assistant", "content": "A B C D E F G"}])
+        text = first.choices[0].message.content
+        assert text.startswith(" H")
+        again = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[
+            question, {"role": "assistant", "content": "A B C D E F G" + text}])
+        assert again.usage.prompt_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens

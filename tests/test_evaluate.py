@@ -3,6 +3,9 @@ parse and have the rows they should. The figures are measurements, not asserted.
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,17 @@ from h2o_chat.bench.common import make_cache
 from tests.conftest import make_tiny_llama, read_results
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_the_old_command_python_m_h2o_chat_evaluate_still_runs_the_evaluations():
+    """Earlier READMEs and scripts say `python -m h2o_chat.evaluate`: it is the same command."""
+    import h2o_chat.evaluate
+
+    assert h2o_chat.evaluate.main is evaluate.main
+    run = subprocess.run([sys.executable, "-m", "h2o_chat.evaluate", "ppl", "--help"], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--budgets" in run.stdout and "ppl" in run.stdout
 
 
 def test_numbers():

@@ -2,6 +2,10 @@
 defaults, and the UI's, are the ones the library declares (CacheConfig, Sampling, create_router)."""
 
 import inspect
+import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import gradio as gr
 
@@ -36,3 +40,29 @@ def test_the_generation_fields_start_at_the_sampling_defaults():
     shown = fields.sampling
     assert (shown["temperature"].value, shown["top_p"].value, shown["max_new_tokens"].value) == (
         defaults.temperature, defaults.top_p, defaults.max_new_tokens)
+
+
+def test_without_the_app_extra_the_command_says_what_to_install():
+    """`pip install .` (the library alone) installs the command too: without gradio and fastapi
+    it answers, even --help, with one line naming the extra, and exits non-zero."""
+    blocked = ("import sys; sys.modules['fastapi'] = sys.modules['gradio'] = None; "  # as if never installed
+               "sys.argv = ['h2o-chat', '--help']; from h2o_chat.serve.cli import main; main()")
+    run = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode != 0 and run.stdout == ""
+    assert run.stderr == 'h2o-chat: the app needs fastapi, which is not installed: pip install "h2o-chat[app]" ' \
+                         "(the [app] extra)\n"
+
+
+def test_each_request_is_logged_unless_quiet():
+    requests_log = logging.getLogger("h2o_chat.requests")
+    before = requests_log.level, list(requests_log.handlers), requests_log.propagate
+    try:
+        assert server.parse_args([]).quiet is False and server.parse_args(["--quiet"]).quiet is True
+        server.show_requests(quiet=False)
+        assert requests_log.isEnabledFor(logging.INFO) and requests_log.handlers
+        server.show_requests(quiet=True)
+        assert not requests_log.isEnabledFor(logging.INFO)
+    finally:
+        requests_log.setLevel(before[0])
+        requests_log.handlers[:], requests_log.propagate = before[1], before[2]

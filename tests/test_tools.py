@@ -359,3 +359,37 @@ def test_llama_31_style_templates_render_calls_and_json_quoted_results():
     assert '<|im_start|>ipython\n"sunny <|im_end|> \\"18\\""<|im_end|>' in text
     result = next(s for s in segments if s.text and s.role == "tool")
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in result.ids  # the result's words stay text
+
+
+def test_the_page_shows_a_tool_result_as_input_to_the_model(tmp_path):
+    """An API conversation with a tool result, restored or watched on the page: the Chatbot knows
+    no tool role, so the result is shown as the user's; a saved file keeps it a tool message."""
+    from h2o_chat import ChatSession
+    from h2o_chat.chat import store
+    from h2o_chat.ui.state import chat_view
+
+    model, tokenizer = make_tool_chat()
+    session = ChatSession(model, tokenizer, data_dir=tmp_path)
+    session.conversation.tools = [WEATHER]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}
+    session.messages = [{"role": "user", "content": "weather?"},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    session.autosave()
+    assert [m["role"] for m in chat_view(session)] == ["user", "assistant", "user"]
+    saved = store.read(tmp_path, session.id)
+    assert saved.messages == session.messages and saved.tools == [WEATHER]
+    assert store.load(tmp_path, session.id)["messages"][0] == {"role": "user", "content": "weather?", "pinned": False}
+
+
+def test_the_prompt_size_limit_counts_the_tools_the_template_shows():
+    from h2o_chat.serve.api import ApiError, create_router
+
+    model, tokenizer = make_tool_chat()
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    bare = read_chat_request(body, CACHE)
+    with_tools = read_chat_request(dict(body, tools=WEBUI_TOOLS), CACHE)
+    api = create_router(model, tokenizer, CACHE, max_prompt_tokens=100).api
+    api.check_prompt_size(bare)  # a few dozen tokens
+    with pytest.raises(ApiError, match=r"the prompt is [\d,]+ tokens; this server reads at most 100"):
+        api.check_prompt_size(with_tools)  # thirty tools' JSON: thousands

@@ -279,7 +279,7 @@ class Api:
         if job.kind == "chat":
             messages = [Message.of(m) for m in job.messages]
             n = len(token_ids(render(self.tokenizer, job.system_prompt, messages, add_generation_prompt=not
-                                     job.continue_final, open_reply=job.continue_final)))
+                                     job.continue_final, open_reply=job.continue_final, tools=job.tools)))
         else:
             n = len(tokenize(self.tokenizer, job.messages[-1]["content"], template=True))
         if n > self.max_prompt_tokens:
@@ -599,6 +599,8 @@ def reply(session, job, emit, index, started, stop_ids=(), known_calls=None):
     more = entries(stats.kept_tokens)
     if rest or more:
         emit(("text", index, rest, more))
+    if job.sampling["max_new_tokens"] is None:  # the machine's bound was this request's: the conversation saves the default
+        session.configure(max_new_tokens=Sampling().max_new_tokens)
     finish = "length" if stats.finish == "length" else "stop"
     if made:
         if known_calls is not None:

@@ -203,10 +203,12 @@ def warn(error):
 
 def chat_view(session):
     """The Chatbot's value. Typed text parts: Gradio runs a plain string through
-    inspect.cleandoc, which would show pasted code dedented and edge blank lines dropped."""
+    inspect.cleandoc, which would show pasted code dedented and edge blank lines dropped. A tool's
+    result (an API client's) is input to the model, shown as the user's: the Chatbot has no tool role."""
     if session is None:
         return []
-    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in session.history]
+    return [{"role": "user" if m["role"] == "tool" else m["role"], "content": [{"type": "text", "text": m["content"]}]}
+            for m in session.history]
 
 
 def tell(session):
