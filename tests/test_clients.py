@@ -120,6 +120,7 @@ def test_llamacpps_other_routes(server):
     props = httpx.get(server["url"] + "/props", headers=AUTH).json()
     assert props["total_slots"] == 3 and "<|im_start|>" in props["chat_template"]
     assert props["default_generation_settings"]["params"]["repeat_penalty"] == 1.0
+    assert props["default_generation_settings"]["params"]["n_predict"] == -1  # until the model stops, as llama.cpp
 
 
 # ---------------------------------------------------------------------------------------------

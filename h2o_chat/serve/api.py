@@ -265,7 +265,7 @@ class Api:
         defaults = Sampling()
         params = {LLAMACPP_NAMES.get(name, name): getattr(defaults, name)
                   for name in ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-                               "presence_penalty", "frequency_penalty", "max_new_tokens")}
+                               "presence_penalty", "frequency_penalty")}
         params.update(seed=-1, stop=[], n_probs=0, stream=False, n_predict=-1)  # -1: until the model stops
         return {"default_generation_settings": {"n_ctx": self.max_prompt_tokens, "params": params, "model": self.model_id},
                 "total_slots": self.concurrency, "model_path": self.model_id, "model_alias": self.model_id,
