@@ -373,6 +373,8 @@ class Served:
     """One reply's figures, measured in one place: what the final object reports (Ollama's
     nanoseconds) and what a log line says. Times are time.perf_counter() seconds."""
 
+    route: str  # "/api/chat" or "/api/generate"
+    client: str | None  # who asked (serve.api.client_name)
     prompt_tokens: int  # the whole prompt the reply was drawn after
     cached_tokens: int  # of those, the ones reused from the cache (not computed)
     new_tokens: int  # the reply's tokens
@@ -391,8 +393,8 @@ class Served:
 
     def ollama(self):
         turn = self.turn
-        # merge: the per-request log line (serve/api.py's one function) goes here, with route,
-        # client, status, prompt/cached/new tokens, ttft_s and tokens_per_s from this object
+        # merge: the per-request log line (serve/api.py's one function) is called here, with this
+        # object's route, client, prompt/cached/new tokens, ttft_s, tokens_per_s (status 200)
         return {"total_duration": ns(time.perf_counter() - self.received),
                 "load_duration": ns(turn.start - self.received),  # waiting for a worker and a session
                 "prompt_eval_count": self.prompt_tokens, "prompt_eval_cached_count": self.cached_tokens,
@@ -427,7 +429,9 @@ class OllamaReply:
 
     def end(self, event):
         _, _, finish, tokens, _, turn = event
-        self.served = Served(self.prompt_tokens, self.cached, tokens, finish, self.received, turn)
+        route = "/api/chat" if self.chat else "/api/generate"
+        self.served = Served(route, self.job.client, self.prompt_tokens, self.cached, tokens, finish, self.received,
+                             turn)
 
     def final(self, text, entries=None):
         return {**self.obj(text, True, entries), "done_reason": self.served.finish, **self.served.ollama()}
