@@ -3,6 +3,7 @@ app Gradio runs on (one process, one model):
 
     GET  /v1/models, /v1/models/{id}; POST /v1/chat/completions, /v1/completions    (OpenAI's)
     POST /completion, /tokenize, /detokenize; GET /props, /health                  (llama.cpp's)
+    POST /api/chat, /api/generate, /api/show; GET /api/tags, /api/ps, /api/version (Ollama's: ollama.py)
 
 Clients resend the whole history with every request; the SessionPool lends each request the
 live ChatSession that shares the most of it, so only the unseen rest is computed
@@ -90,6 +91,9 @@ def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None,
         router.add_api_route(path, api.guarded(handler, needs_model), methods=[method])
     router.add_api_route("/v1/{path:path}", api.guarded(api.unknown, False),
                          methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    from .ollama import add_ollama_routes  # here: ollama.py reuses this module's machinery
+
+    router.ollama = add_ollama_routes(router, api)  # Ollama's /api/* on the same port, pool and key
     return router
 
 
@@ -151,9 +155,10 @@ class Api:
         route.__name__ = handler.__name__
         return route
 
-    async def read_body(self, request):
+    async def read_body(self, request, check_model=True):
         """The JSON body, at most max_prompt_tokens * BODY_BYTES_PER_TOKEN bytes (413 past that,
-        before anything is parsed)."""
+        before anything is parsed). check_model: a model other than this one is a 404 (False:
+        the caller checks it, as Ollama's routes do with their own names)."""
         limit, size, chunks = self.max_prompt_tokens * BODY_BYTES_PER_TOKEN, 0, []
         async for chunk in request.stream():
             size += len(chunk)
@@ -171,7 +176,7 @@ class Api:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         model_name = body.get("model")
-        if model_name not in (None, "", self.model_id):
+        if check_model and model_name not in (None, "", self.model_id):
             raise ApiError(404, f"the model {model_name!r} does not exist; this server has {self.model_id!r}",
                            "model", "model_not_found")
         return body
