@@ -8,6 +8,7 @@ Where the official client has no call (`/api/version`) or drops a field it does 
 its base URL and headers)."""
 
 import json
+import logging
 import time
 from datetime import datetime
 
@@ -18,10 +19,11 @@ import pytest
 import torch
 
 from h2o_chat.chat import limits as limits_mod
-from h2o_chat.serve.ollama import BOUND_SHARE, OLLAMA_VERSION, parameter_count
+from h2o_chat.serve.api import MACHINE_SHARE
+from h2o_chat.serve.ollama import OLLAMA_VERSION, parameter_count
 from tests.conftest import make_tiny_chat, make_tiny_llama
 from tests.live import deadline, never_ending
-from tests.test_api import CACHE, api_server
+from tests.test_api import CACHE, LINE, api_server, logged_lines, numbers
 
 KEY = "ollama-key"
 DEADLINE_S = 60  # every request here finishes far sooner on the tiny model
@@ -220,10 +222,10 @@ def test_num_predict_is_the_exact_number_of_tokens(client):
 def test_without_num_predict_a_reply_runs_to_the_machines_bound_not_256(client, monkeypatch, num_predict):
     """Ollama's -1 (and -2, and no num_predict): until the model stops. This model never does, so
     the bound shows: the tokens this machine has memory for (chat.limits), here a machine
-    with 800 KiB free (half usable, 1 KiB a token: 400), of which BOUND_SHARE."""
+    with 800 KiB free (half usable, 1 KiB a token: 400), of which MACHINE_SHARE (as /v1)."""
     free = 800 * 1024
     monkeypatch.setattr(limits_mod, "free_bytes", lambda device: free)
-    expected = int(int(free * limits_mod.USABLE_SHARE) // limits_mod.APP_BYTES_PER_TOKEN * BOUND_SHARE)
+    expected = int(int(free * limits_mod.USABLE_SHARE) // limits_mod.APP_BYTES_PER_TOKEN * MACHINE_SHARE)
     options = {"temperature": 0} if num_predict is None else {"temperature": 0, "num_predict": num_predict}
     reply = client.chat(model=MODEL, messages=[{"role": "user", "content": "Go on forever."}], options=options)
     assert reply.eval_count == expected > 256 and reply.done_reason == "length"
@@ -317,6 +319,27 @@ def test_a_second_turn_computes_only_its_new_tokens(server, client):
                                {"role": "user", "content": "Thanks."}]
     reply = v1.chat.completions.create(model=MODEL, messages=later, max_tokens=4, temperature=0)
     assert reply.usage.prompt_tokens_details.cached_tokens == third.prompt_eval_count + third.eval_count
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_ollamas_routes_write_the_same_log_line_as_v1(client, caplog):
+    """One line per request, through /v1's one function: its tokens as the final object counts
+    them, streamed or whole, and an error's sentence."""
+    messages = [{"role": "user", "content": "Log this one."}]
+    with caplog.at_level(logging.INFO, logger="h2o_chat.requests"):
+        whole = raw_chat(client, messages=messages, options=greedy(6))
+        streamed = list(client.generate(model=MODEL, prompt="And this.", options=greedy(5), stream=True))[-1]
+        with pytest.raises(ollama.ResponseError):
+            client.chat(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+        lines = logged_lines(caplog, 3)
+    first, second = LINE.fullmatch(lines[0]), LINE.fullmatch(lines[1])
+    assert first and second, lines
+    assert first["route"] == "POST /api/chat" and second["route"] == "POST /api/generate"
+    assert numbers(first) == {"status": 200, "prompt": whole["prompt_eval_count"],
+                              "cached": whole["prompt_eval_cached_count"], "new": 6}
+    assert (numbers(second)["prompt"], numbers(second)["new"]) == (streamed.prompt_eval_count, 5)
+    assert lines[2].startswith("POST /api/chat 400 · ") and "wizard" in lines[2]
 
 
 @pytest.mark.live

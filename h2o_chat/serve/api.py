@@ -133,9 +133,10 @@ class Api:
             raise ApiError(401, "invalid or missing API key: send Authorization: Bearer <key>",
                            code="invalid_api_key")
 
-    def guarded(self, handler, needs_model=True):
-        """The route: access (and readiness) checked, every ApiError answered in OpenAI's shape,
-        and one log line written when the answer (or its stream) ends."""
+    def guarded(self, handler, needs_model=True, error_response=ApiError.response):
+        """The route: access (and readiness) checked, every ApiError answered by `error_response`
+        (OpenAI's shape; Ollama's routes give theirs), and one log line written when the answer (or
+        its stream) ends."""
         async def route(request: Request):
             record = request.state.log = RequestLog(f"{request.method} {request.url.path}",
                                                     client_name(request.headers))
@@ -146,7 +147,7 @@ class Api:
                 response = await handler(request, **request.path_params)
             except ApiError as e:
                 record.done(e.status, e.message)
-                return e.response()
+                return error_response(e)
             if isinstance(response, StreamingResponse):
                 response.body_iterator = logged(response.body_iterator, record)
             else:

@@ -36,25 +36,18 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat.conversation import Sampling, cache_config
-from ..chat.limits import Limits
+from ..chat.conversation import Sampling
 from ..models.quantize import weights_label
-from .api import NOT_SAVED_HEADER, client_name, next_event
-from .requests import UNLIMITED_PREDICT, ApiError, read_chat_request, read_text_request
+from .api import NOT_SAVED_HEADER, TOOLS_IGNORED_HEADER, next_event
+from .requests import ApiError, read_chat_request, read_text_request
 
 # The Ollama release whose API these routes follow (docs/api.md, the `ollama` Python client 0.6):
 # clients compare it as a version number (Open WebUI keeps the lowest of its connections).
 OLLAMA_VERSION = "0.12.6"
 NDJSON = "application/x-ndjson"
 NEVER = "2318-01-01T00:00:00Z"  # expires_at of a model that is never unloaded (Ollama's own for keep_alive < 0)
-TOOLS_IGNORED_HEADER = "X-H2O-Tools-Ignored"
-# A reply without num_predict runs until the model stops, bounded by the memory this machine has
-# for its tokens (chat.limits); a share of that bound, because the session measures the free
-# memory again when it takes the settings, and what is free moves meanwhile.
-BOUND_SHARE = 0.9
 
 # options -> the /v1 body's names (read_sampling reads them); mirostat and tfs_z go along so that
 # a value other than off is refused as on /v1
@@ -133,17 +126,8 @@ class Ollama:
         self._details = None
 
     def guarded(self, handler, needs_model=True):
-        """The route: the same access and readiness checks as /v1, every ApiError in Ollama's shape."""
-        async def route(request: Request):
-            try:
-                self.api.check_access(request)
-                if needs_model and self.api.model is None:
-                    raise ApiError(503, "the model is loading; try again shortly")
-                return await handler(request, **request.path_params)
-            except ApiError as e:
-                return error_response(e)
-        route.__name__ = handler.__name__
-        return route
+        """The route: /v1's access and readiness checks and log line, every ApiError in Ollama's shape."""
+        return self.api.guarded(handler, needs_model, error_response=error_response)
 
     async def read_body(self, request):
         """The JSON body (the /v1 size limit), its model named as the served one (404 otherwise)."""
@@ -227,7 +211,7 @@ class Ollama:
         openai = {"messages": chat, "continue_final_message": True, "h2o": body.get("h2o"),
                   **options_body(body.get("options"), body)}
         job = read_ollama(read_chat_request, openai, self.api)
-        return await self.run(request, self.bounded(job, body), name, chat=True, body=body)
+        return await self.run(request, self.streamed(job, body), name, chat=True, body=body)
 
     async def generate(self, request):
         body, name = await self.read_body(request)
@@ -250,14 +234,10 @@ class Ollama:
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             job = read_ollama(read_chat_request, {"messages": messages, "h2o": body.get("h2o"), **sampling}, self.api)
-        return await self.run(request, self.bounded(job, body), name, chat=False, body=body)
+        return await self.run(request, self.streamed(job, body), name, chat=False, body=body)
 
-    def bounded(self, job, body):
-        """num_predict absent or <= 0 (Ollama's "until the model stops"): the machine's bound;
-        stream absent: true (Ollama streams unless told not to)."""
-        options = body.get("options") or {}
-        if until_stop(options.get("num_predict")):
-            job.sampling["max_new_tokens"] = generation_bound(self.api.model, job.cache)
+    def streamed(self, job, body):
+        """stream absent: true (Ollama streams unless told not to)."""
         if body.get("stream") not in (None, True, False):
             raise ApiError(400, f"stream must be true or false, got {body['stream']!r}", "stream")
         job.stream = body.get("stream") is not False
@@ -266,7 +246,8 @@ class Ollama:
     async def run(self, request, job, name, chat, body):
         """Run `job` in the /v1 worker (Api.work: its pool, its sessions) and answer in Ollama's
         shapes. The reply's timing is read in the worker thread, when its last token is out."""
-        job.client = client_name(request.headers)
+        record = request.state.log  # the request's log line (serve/requestlog.py), written when it ends
+        job.client = record.client
         received = time.perf_counter()
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -281,15 +262,18 @@ class Ollama:
         threading.Thread(target=self.api.work, args=(job, emit), daemon=True, name="h2o-ollama").start()
         first = await next_event(events, request, job)
         if first is None or first[0] == "done":  # the client left before a word
+            record.error = "the client left before the first token"
             return Response(status_code=499)
         if first[0] == "error":
+            record.error = first[1].message
             return error_response(first[1])
         reply = OllamaReply(job, name, chat, received, prompt_tokens=first[1], cached=first[2],
-                            tokenizer=self.api.tokenizer)
+                            tokenizer=self.api.tokenizer, record=record)
         headers = {NOT_SAVED_HEADER: first[3]} if first[3] else {}
         if body.get("tools"):
             headers[TOOLS_IGNORED_HEADER] = (f"{len(body['tools'])} tools: this server answers without tools (the "
                                              "reply is text and never calls one)")
+            record.note = f"tools ignored: {headers[TOOLS_IGNORED_HEADER]}"
         if not job.stream:
             return await reply.whole(events, request, headers)
         return StreamingResponse(reply.lines(events), media_type=NDJSON, headers=headers)
@@ -325,7 +309,7 @@ def until_stop(num_predict):
 
 def options_body(options, body, text=False):
     """options (and logprobs, top_logprobs) -> the /v1 body fields they stand for. num_predict
-    absent or <= 0 stands for 1 here and is raised to the machine's bound once the cache is known."""
+    absent or <= 0 leaves max_tokens out: until the model stops, as /v1 without max_tokens."""
     if options is None:
         options = {}
     if not isinstance(options, dict):
@@ -335,7 +319,8 @@ def options_body(options, body, text=False):
     if not until_stop(num_predict) and (isinstance(num_predict, bool) or not isinstance(num_predict, int)):
         raise ApiError(400, f"options.num_predict must be a whole number (-1: until the model stops), got "
                             f"{num_predict!r}", "num_predict")
-    out["max_tokens"] = 1 if until_stop(num_predict) else num_predict
+    if not until_stop(num_predict):  # absent: until the model stops, at the machine's bound (serve.api.machine_bound)
+        out["max_tokens"] = num_predict
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs not in (None, True, False):
         raise ApiError(400, "logprobs must be true or false", "logprobs")
@@ -361,20 +346,11 @@ def read_ollama(reader, openai_body, api):
         raise
 
 
-def generation_bound(model, cache):
-    """The most tokens a reply may run to on this machine (chat.limits), for a request that
-    leaves it to the model; where the machine cannot tell its free memory, llama.cpp's -1 bound."""
-    most = Limits.of(model).max_new_tokens(cache_config(cache))
-    return UNLIMITED_PREDICT if most is None else max(1, int(most * BOUND_SHARE))
-
-
 @dataclass
 class Served:
     """One reply's figures, measured in one place: what the final object reports (Ollama's
-    nanoseconds) and what a log line says. Times are time.perf_counter() seconds."""
+    nanoseconds) and what the request's log line says. Times are time.perf_counter() seconds."""
 
-    route: str  # "/api/chat" or "/api/generate"
-    client: str | None  # who asked (serve.api.client_name)
     prompt_tokens: int  # the whole prompt the reply was drawn after
     cached_tokens: int  # of those, the ones reused from the cache (not computed)
     new_tokens: int  # the reply's tokens
@@ -382,19 +358,13 @@ class Served:
     received: float  # the request came in
     turn: object  # the session's TurnStats of the reply: start, first_at, end
 
-    @property
-    def ttft_s(self):
-        """From the request to the first token shown (waiting for a worker, the prefill, one step)."""
-        return (self.turn.first_at or self.turn.end) - self.received
-
-    @property
-    def tokens_per_s(self):
-        return self.new_tokens / self.turn.decode_s if self.turn.decode_s else 0.0
+    def usage(self):
+        """The figures in OpenAI's usage shape: what the request's log line reads."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def ollama(self):
         turn = self.turn
-        # merge: the per-request log line (serve/api.py's one function) is called here, with this
-        # object's route, client, prompt/cached/new tokens, ttft_s, tokens_per_s (status 200)
         return {"total_duration": ns(time.perf_counter() - self.received),
                 "load_duration": ns(turn.start - self.received),  # waiting for a worker and a session
                 "prompt_eval_count": self.prompt_tokens, "prompt_eval_cached_count": self.cached_tokens,
@@ -405,8 +375,9 @@ class Served:
 class OllamaReply:
     """The worker's events for one request, as Ollama's objects: streamed lines or one object."""
 
-    def __init__(self, job, name, chat, received, prompt_tokens, cached, tokenizer):
+    def __init__(self, job, name, chat, received, prompt_tokens, cached, tokenizer, record):
         self.job, self.name, self.chat, self.received, self.tokenizer = job, name, chat, received, tokenizer
+        self.record = record  # the request's RequestLog: its usage and token times as they come
         self.prompt_tokens, self.cached = prompt_tokens, cached
         self.served = None
 
@@ -429,9 +400,8 @@ class OllamaReply:
 
     def end(self, event):
         _, _, finish, tokens, _, turn = event
-        route = "/api/chat" if self.chat else "/api/generate"
-        self.served = Served(route, self.job.client, self.prompt_tokens, self.cached, tokens, finish, self.received,
-                             turn)
+        self.served = Served(self.prompt_tokens, self.cached, tokens, finish, self.received, turn)
+        self.record.usage = self.served.usage()
 
     def final(self, text, entries=None):
         return {**self.obj(text, True, entries), "done_reason": self.served.finish, **self.served.ollama()}
@@ -441,14 +411,17 @@ class OllamaReply:
         while True:
             event = await next_event(events, request, self.job)
             if event is None:
+                self.record.error = "the client left before the answer"
                 return Response(status_code=499)
             if event[0] == "text":
+                self.record.token()
                 text.append(event[2])
                 if entries is not None and event[3]:
                     entries += event[3]
             elif event[0] == "end":
                 self.end(event)
             elif event[0] == "error":
+                self.record.error = event[1].message
                 return error_response(event[1])
             elif event[0] == "done":
                 return JSONResponse(self.final("".join(text), entries), headers=headers)
@@ -459,10 +432,12 @@ class OllamaReply:
             while True:
                 event = await events.get()
                 if event[0] == "text" and (event[2] or event[3]):
+                    self.record.token()
                     yield json.dumps(self.obj(event[2], entries=event[3]), ensure_ascii=False) + "\n"
                 elif event[0] == "end":
                     self.end(event)
                 elif event[0] == "error":  # Ollama's clients read an error line as the request's failure
+                    self.record.error = event[1].message
                     yield json.dumps({"error": event[1].message}, ensure_ascii=False) + "\n"
                     break
                 elif event[0] == "done":
