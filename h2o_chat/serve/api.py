@@ -89,7 +89,7 @@ class Api:
         self.model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
         self.concurrency, self.max_prompt_tokens = concurrency, max_prompt_tokens
         self.workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
-        self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20))
+        self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20), data_dir, self.open_saved)
         self.stop_ids = stop_token_ids(model, tokenizer) if model is not None else set()
 
     def make_session(self, kind, cache, system_prompt):
@@ -97,6 +97,12 @@ class Api:
             return TextSession(self.model, self.tokenizer, cache=cache, batcher=self.batcher)
         return ChatSession(self.model, self.tokenizer, cache=cache, system_prompt=system_prompt,
                            data_dir=self.data_dir, batcher=self.batcher)
+
+    def open_saved(self, conversation_id):
+        """A saved chat conversation back from disk (the pool dropped it, or the server restarted);
+        lazily: the request's first sync loads the saved cache state that shares the most with it."""
+        return ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir, batcher=self.batcher,
+                                lazy=True)
 
     # --- access ----------------------------------------------------------------------------------
     def check_access(self, request):
