@@ -217,9 +217,10 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError("slots hold tokens that were never fed")
         return n_seen, n_slots, roll_floor, (kv, meta)
 
-    def restore(self, state):
-        """Back to a `snapshot()` (which stays valid). Buffers of the same shape are written in place,
-        so the decode step's views stay valid."""
+    def restore(self, state, adopt=False):
+        """Back to a `snapshot()` (which stays valid, unless `adopt`: its buffers may become the
+        layer's own, for a state read from a file and used once). Buffers of the same shape are
+        written in place, so the decode step's views stay valid."""
         n_seen, n_slots, roll_floor, buffers = state
         if buffers is None:
             self.set_buffers(None, None, 0)
@@ -228,6 +229,8 @@ class H2OLayer(CacheLayerMixin):
             self.meta.copy_(buffers[1])
             self.n_slots = n_slots
             self._views()
+        elif adopt:
+            self.set_buffers(buffers[0], buffers[1], n_slots)
         else:
             self.set_buffers(buffers[0].clone(), buffers[1].clone(), n_slots)
         self.n_seen, self.roll_floor = n_seen, roll_floor
@@ -476,11 +479,12 @@ class H2OCache(Cache):
         """A copy of the whole cache state (bounded by the budget, so cheap), for `restore`."""
         return [layer.snapshot() for layer in self.layers], self.pins, self.limits
 
-    def restore(self, snapshot):
-        """Return to a `snapshot` (which stays valid: it can be restored again)."""
+    def restore(self, snapshot, adopt=False):
+        """Return to a `snapshot` (which stays valid: it can be restored again; unless `adopt`, for
+        one read from a file and used once, whose buffers the layers may keep instead of copying)."""
         layers, pins, limits = snapshot
         for layer, state in zip(self.layers, layers):
-            layer.restore(state)
+            layer.restore(state, adopt)
         self._pending = [None] * len(self.layers)
         self.pins, self.limits = list(pins), limits
 

@@ -50,7 +50,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from ..cache.config import setting
+from ..cache.config import check_fields, setting
 from ..models.quantize import weights_label
 from . import store
 from .ledger import Ledger
@@ -74,6 +74,9 @@ class DiskBudget:
                                "used are dropped first (0: save none, every reopen replays)", low=0)
     conversation_mib: float = setting(256, "disk for one conversation's saved states (its latest and the older "
                                       "message boundaries it can go back to)", low=0)
+
+    def __post_init__(self):
+        check_fields(self)
 
     def limits(self):
         """(total bytes, bytes per conversation)."""
@@ -178,6 +181,10 @@ class States:
         notices, self.notices = self.notices, []
         return notices
 
+    def _notice(self, text):
+        if text not in self.notices:  # every state of a conversation may be refused for one reason
+            self.notices.append(text)
+
     def folder(self, conversation_id=None):
         return store.kv_folder(self.data_dir, conversation_id or self.conversation.id)
 
@@ -214,6 +221,7 @@ class States:
         `target` (ids) longer than `longer_than`, most tokens first. At a first load (longer_than
         0) a state that would have fitted but belongs to another model or settings is named in a
         notice."""
+        WRITER.settle(self.data_dir, self.chain(), longer_than)  # a state still being written is one to find
         files = [f for f in self.files() if longer_than < f[1] <= len(target)]
         if not files:
             return []
@@ -224,8 +232,8 @@ class States:
         mine = sorted((f for f in usable if f[3] == self.model_tag and f[4] == config_tag), key=lambda f: -f[1])
         if not mine and usable and longer_than == 0:
             other_model = any(f[3] != self.model_tag for f in usable)
-            self.notices.append("The saved cache belongs to another model: replaying the conversation." if other_model
-                                else "The saved cache was made with other cache settings: replaying the conversation.")
+            self._notice("The saved cache belongs to another model: replaying the conversation." if other_model
+                         else "The saved cache was made with other cache settings: replaying the conversation.")
         return [f[0] for f in mine]
 
     def load(self, path, timeline, target):
@@ -237,7 +245,7 @@ class States:
                 info = f.metadata() or {}
                 refusal = self._refusal(info, timeline.cache.config)
                 if refusal:
-                    self.notices.append(f"The saved cache {refusal}: replaying the conversation.")
+                    self._notice(f"The saved cache {refusal}: replaying the conversation.")
                     return None
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
             if checksum(tensors) != info.get("checksum"):
@@ -259,7 +267,7 @@ class States:
         except Exception as e:  # noqa: BLE001 - whatever a damaged file raises, it is refused the same way
             reason = str(e) if isinstance(e, ValueError) and not type(e).__name__.startswith("Safetensor") \
                 else "the file is truncated or garbled"
-            self.notices.append(f"The saved cache could not be read ({reason}): replaying the conversation.")
+            self._notice(f"The saved cache could not be read ({reason}): replaying the conversation.")
             log.warning("h2o-chat: saved cache %s could not be read (%s); removed", path.name, e)
             path.unlink(missing_ok=True)
             return None
@@ -283,6 +291,7 @@ class States:
         """Give `known` (template.KnownTokens) the replies of this model's newest state, and a
         seeded `sampler` its generator when the seed is the same: what the session had when it
         last saved. A file that cannot be read is skipped (its state, when asked for, says why)."""
+        WRITER.settle(self.data_dir, self.chain())
         files = sorted((f for f in self.files() if f[3] == self.model_tag), key=lambda f: _mtime(f[0]), reverse=True)
         for path, *_ in files[:1]:
             try:
@@ -388,7 +397,7 @@ class Writer:
     def __init__(self):
         self._cond = threading.Condition()
         self._queue: list[Job] = []
-        self._busy = False
+        self._current: Job | None = None  # the one being written
         self._thread = None
         self._warned = set()  # data folders whose write failed (said once)
         self.written: list[Written] = []  # the last writes (at most 100)
@@ -406,13 +415,23 @@ class Writer:
     def flush(self, timeout=60.0):
         """Wait until every queued state is written; False when the timeout passed first."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+            return self._cond.wait_for(lambda: not self._queue and self._current is None, timeout)
+
+    def settle(self, data_dir, conversation_ids, longer_than=-1, timeout=30.0):
+        """Wait until no state of these conversations with more than `longer_than` tokens is
+        waiting or being written: a state queued before a load is one it can find."""
+        def pending(job):
+            return job is not None and job.data_dir == data_dir and job.conversation_id in conversation_ids \
+                and job.snapshot.n_fed > longer_than
+
+        with self._cond:
+            return self._cond.wait_for(lambda: not any(pending(j) for j in (*self._queue, self._current)), timeout)
 
     def _loop(self):
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue)
-                job, self._busy = self._queue.pop(0), True
+                job = self._current = self._queue.pop(0)
             try:
                 self.write(job)
             except Exception as e:  # noqa: BLE001 - a state that cannot be written only costs a replay later
@@ -422,7 +441,7 @@ class Writer:
                                 job.data_dir, e)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._current = None
                     self._cond.notify_all()
 
     def write(self, job):

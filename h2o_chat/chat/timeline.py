@@ -135,7 +135,7 @@ class Timeline:
                 continue
             if first_missing_pin(pins, (H2OLayer.state_token_ids(s) for s in layers), snap.n_fed) is not None:
                 continue
-            self.cache.restore(snap.cache)
+            self.cache.restore(snap.cache, adopt=True)  # read for this alone: no copy
             self.cache.set_pins(pins)
             self.logits, self.ledger = snap.logits, ledger
             self.changes += 1

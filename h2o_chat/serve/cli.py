@@ -57,6 +57,7 @@ def quantization_of(args):
 
 def parse_args(argv=None):
     from ..cache.config import APP_FIELDS, CacheConfig
+    from ..chat.saved_kv import DiskBudget
     from .api import MAX_PROMPT_TOKENS
     from .pool import MAX_IDLE_KV_MIB
 
@@ -70,6 +71,7 @@ def parse_args(argv=None):
     for setting in fields(CacheConfig):
         if setting.name in APP_FIELDS:
             add_setting_flag(p, setting)
+    DISK_SETTINGS = {f.name: f for f in fields(DiskBudget)}
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     add_quantization_flag(p)
     # the flags of before --quantization, kept working: each is one of its values
@@ -88,6 +90,7 @@ def parse_args(argv=None):
                         "key the API refuses every request)")
     p.add_argument("--api-kv-mib", type=float, default=MAX_IDLE_KV_MIB,
                    help=f"KV memory of the API's idle conversations (default {MAX_IDLE_KV_MIB})")
+    add_setting_flag(p, DISK_SETTINGS["total_mib"], "--kv-disk-mib", type=float)  # float: 0.5 is a size too
     p.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
                    help="an API request whose prompt is longer is refused before any of it is computed "
                         f"(default {MAX_PROMPT_TOKENS:,}: about a minute of prefill on a 2-core CPU)")
@@ -149,6 +152,8 @@ def port_taken(host, port, error):
 def main(argv=None):
     args = parse_args(argv)
     from ..cache.config import APP_FIELDS, CacheConfig
+    from ..chat import saved_kv
+    from ..chat.saved_kv import DiskBudget
     from ..models.load import ModelLoadError, load_model
     from ..ui.page import CSS, HEAD, build
 
@@ -166,6 +171,9 @@ def main(argv=None):
             raise ValueError("--concurrency must be at least 1")
         if args.max_prompt_tokens < 1:
             raise ValueError("--max-prompt-tokens must be at least 1")
+        if not args.kv_disk_mib >= 0:
+            raise ValueError("--kv-disk-mib must be at least 0 (0 saves no cache: every reopen replays)")
+        disk_budget = DiskBudget(total_mib=args.kv_disk_mib)
         check_exposure(args)
         check_data_dir(args.data_dir)
         check_port(args.host, args.port)
@@ -173,6 +181,7 @@ def main(argv=None):
                                       device_map=args.device_map, trust_remote_code=args.trust_remote_code)
     except (ValueError, ModelLoadError) as e:
         sys.exit(f"h2o-chat: {e}")
+    saved_kv.BUDGET = disk_budget  # every conversation's saved caches share it
     from ..chat.batch import Batcher
     batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
     from .api import create_router
