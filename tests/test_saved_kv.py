@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from h2o_chat import ChatSession
+from h2o_chat.bench.reopen import openwebui_branches
 from h2o_chat.chat import saved_kv, store
 from h2o_chat.models.load import load_model
 from h2o_chat.serve import cli
@@ -357,25 +358,6 @@ def test_the_pool_reopens_a_dropped_conversation_from_disk_as_if_never_dropped(t
     assert len(store.list_ids(tmp_path)) == 1  # one conversation throughout
 
 
-def openwebui_branches(client, model, max_tokens=12):
-    """Open WebUI's pattern: a 5-message story, an edit of message 3 and a regenerate, then the
-    story's first 3 and first 5 messages resent. Returns the usage of the last two."""
-    def ask(messages):
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
-        return r.choices[0].message.content, r.usage
-
-    turns = ["Tell me a story about a lighthouse keeper named Mira.", "What did she find on the beach?",
-             "Who came to the door that night?"]
-    messages = []
-    for text in turns:
-        messages.append({"role": "user", "content": text})
-        messages.append({"role": "assistant", "content": ask(messages)[0]})
-    edited = messages[:2] + [{"role": "user", "content": "What did she find in the cave?"}]
-    ask(edited)
-    ask(edited)  # regenerate
-    return ask(messages[:3])[1], ask(messages[:5])[1]
-
-
 @pytest.mark.live
 @pytest.mark.slow
 def test_an_older_branch_resent_through_v1_reuses_its_saved_state(tmp_path):
@@ -383,7 +365,7 @@ def test_an_older_branch_resent_through_v1_reuses_its_saved_state(tmp_path):
 
     with api_server(tmp_path, max_kv_mib=0.01) as (url, _):  # the pool keeps nothing idle
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=DEADLINE_S)
-        for usage in openwebui_branches(client, "h2o-chat"):
+        for usage in openwebui_branches(client, "h2o-chat", max_tokens=12):
             assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
 
 

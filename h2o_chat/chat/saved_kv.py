@@ -72,7 +72,7 @@ class DiskBudget:
 
     total_mib: float = setting(2048, "disk for saved KV caches, all conversations together; the least recently "
                                "used are dropped first (0: save none, every reopen replays)", low=0)
-    conversation_mib: float = setting(256, "disk for one conversation's saved states (its latest and the older "
+    conversation_mib: float = setting(512, "disk for one conversation's saved states (its latest and the older "
                                       "message boundaries it can go back to)", low=0)
 
     def __post_init__(self):
@@ -120,6 +120,9 @@ def config_text(config):
     return json.dumps(asdict(config), sort_keys=True)
 
 
+TOKENIZER_PROBE = ("The keeper's log, 1887: \"Storm at 03:40; the Heron's light seen NNE.\"\n\tNo sign since.  "
+                   "Ça va? Ünïcödé, 東京, Привет, 😀 <|im_start|>user\n<|im_end|> </s> [INST] 0123456789 == != -> "
+                   "https://example.org/a_b?c=d#e    ")
 _FINGERPRINTS = weakref.WeakKeyDictionary()  # model -> {id(tokenizer): fingerprint}: computed once
 
 
@@ -136,12 +139,14 @@ def fingerprint(model, tokenizer):
         weights = hashlib.sha256()
         for i in picked:
             name, t = tensors[i]
-            flat = t.detach().reshape(-1)[: MIB // max(t.element_size(), 1)].contiguous()
-            weights.update(name.encode())
-            weights.update(flat.cpu().view(torch.uint8).numpy().tobytes())
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-        token_text = hashlib.sha256((vocab + str(getattr(tokenizer, "chat_template", ""))).encode()).hexdigest()
+            weights.update(f"{name} {t.dtype} {list(t.shape)}".encode())
+            if t.device.type != "meta":  # offloaded weights (device_map) have no bytes here: their names and shapes
+                flat = t.detach().reshape(-1)[: MIB // max(t.element_size(), 1)].contiguous()
+                weights.update(flat.cpu().view(torch.uint8).numpy().tobytes())
+        # the tokenizer by what it does (its whole vocabulary would cost ~0.1 s to hash at every start)
+        probe = tokenizer(TOKENIZER_PROBE, add_special_tokens=False, split_special_tokens=False).input_ids
+        token_text = hashlib.sha256(json.dumps([len(tokenizer), probe, sorted(tokenizer.all_special_tokens),
+                                                str(getattr(tokenizer, "chat_template", ""))]).encode()).hexdigest()
         known[id(tokenizer)] = json.dumps({"config": config, "dtype": str(model.dtype), "weights": weights_label(model),
                                            "weights_sha256": weights.hexdigest(), "tokenizer_sha256": token_text},
                                           sort_keys=True)

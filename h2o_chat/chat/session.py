@@ -682,14 +682,16 @@ class ChatSession:
         timeline = self.timeline
         if self.saved is None or self.save_error is not None:
             return
+        saved_at, head = self._saved_at, None
+        if timeline.fed and (saved_at is None or saved_at[0]() is not timeline or saved_at[1] != timeline.changes):
+            head = timeline.snapshot()  # copied before the writer is woken: it would compete for the cores
+            self._saved_at = (weakref.ref(timeline), timeline.changes)  # weak: a closed session's cache is freed
         marks, self._marks = self._marks, []
         for snap in marks:
             if any(s is snap for s in timeline.snapshots):
                 self.saved.save(timeline, snap, self._known)
-        saved_at = self._saved_at
-        if timeline.fed and (saved_at is None or saved_at[0]() is not timeline or saved_at[1] != timeline.changes):
-            self.saved.save(timeline, timeline.snapshot(), self._known, self._sampler.generator, self.sampling.seed)
-            self._saved_at = (weakref.ref(timeline), timeline.changes)  # weak: a closed session's cache is freed
+        if head is not None:
+            self.saved.save(timeline, head, self._known, self._sampler.generator, self.sampling.seed)
 
     def take_notices(self):
         notices, self.notices = self.notices, []

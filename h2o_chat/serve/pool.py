@@ -22,7 +22,7 @@ import os
 import threading
 import time
 
-from ..chat import store
+from ..chat import saved_kv, store
 from ..chat.session import ChatSession, cache_config
 from ..chat.template import Segment, tokenize
 
@@ -193,7 +193,7 @@ class SessionPool:
     def _from_disk(self, live, config, system_prompt, messages):
         """The saved conversation the request repeats more of than of `live` (the best live
         session, or None), reopened; None when there is none (or it cannot be opened)."""
-        if self.saved is None:
+        if self.saved is None or saved_kv.BUDGET.total_mib == 0:  # no saved caches: a reopen would replay it all
             return None
         live_repeats = messages_repeated(live, system_prompt, messages) if live is not None else 0
         if live_repeats >= len(messages) - 1:  # the live one holds all the history the request resends
