@@ -87,6 +87,19 @@ def test_a_reopened_conversation_loads_its_cache_bit_for_bit_and_replies_as_if_n
     assert_same_state(session, reopened)
 
 
+def test_the_page_opens_a_saved_conversation_from_its_cache(tmp_path):
+    from h2o_chat.ui.state import App
+
+    model, tok = make_tiny_chat()
+    session = greedy(model, tok, tmp_path)
+    story(session, TURNS[:2])
+    saved_kv.flush()
+    shown = []
+    opened = App(model, tok, dict(CACHE), str(tmp_path)).open(session.id, lambda share, desc: shown.append(share))
+    assert opened.timeline.tokens_processed == 0 and shown == [1.0]  # one step of the bar: loaded, not replayed
+    assert_same_state(session, opened)
+
+
 def test_the_replies_come_back_as_the_tokens_they_were_drawn_as(tmp_path):
     """A reply drawn as "t", "he" re-tokenizes as "the": without the saved reply ids the reopened
     rendering would differ from the cache there and everything after it would be replayed."""
