@@ -444,8 +444,9 @@ def test_a_saved_conversation_beyond_this_machine_opens_on_the_nearest_it_can_ru
     reopened = ChatSession.open(primed.model, primed.tokenizer, primed.id, primed.data_dir)
     assert reopened.history == primed.history
     assert reopened.cache_config.budget == limits.max_budget and reopened.sampling.max_new_tokens == 2**25 // 1024
-    (notice,) = reopened.take_notices()
+    notice, cache_notice = reopened.take_notices()
     assert f"budget 1,000,000,000 -> {limits.max_budget:,}; max_new_tokens 1,000,000,000 -> 32,768" in notice
+    assert cache_notice == "The saved cache was made with other cache settings: replaying the conversation."
     goes_on(reopened)
     assert store.load(primed.data_dir, primed.id)["cache"]["budget"] == limits.max_budget  # saved with the change
 

@@ -82,6 +82,26 @@ def test_bench_prefill(tiny_model_dir, play_text, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.live
+def test_bench_reopen(play_text, tmp_path):
+    """Stories reopened in fresh processes from their saved cache (nothing computed), and the /v1
+    older branch resent to two app.py servers, with saved caches and without."""
+    model_dir = save_tiny_chat(tmp_path / "model")
+    cli.main(["--model", str(model_dir), "--text", str(play_text), "--out", str(tmp_path / "out"), "reopen",
+              "--quick", "--dtype", "float32", "--budget", "48", "--threads", "1"])
+    rows = read_results(tmp_path / "out", "reopen", plot=False)["rows"]
+    assert [r["tokens"] >= n for r, n in zip(rows, (300, 1000))] == [True, True]
+    assert all(r["computed"] == 0 and r["messages"] >= 8 and r["replay_s"] > 0 and r["open_s"] > 0 and
+               r["disk_MiB"] > 0 and not r["notices"] for r in rows)
+    (writes,) = read_results(tmp_path / "out", "reopen_writes", plot=False)["rows"]
+    assert writes["states_written"] == 2 * writes["replies"] and writes["MiB_per_state"] > 0
+    v1 = read_results(tmp_path / "out", "reopen_v1", plot=False)["rows"]
+    saved, before = v1[:2], v1[2:]
+    assert all(r["cached_tokens"] >= 0.9 * r["prompt_tokens"] for r in saved)
+    assert before[0]["cached_tokens"] < before[0]["prompt_tokens"]  # without them: only what memory still holds
+
+
+@pytest.mark.slow
 def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
                    "--tokens", "120", "--budget", "24", "--chunk", "8", "--long-tokens", "0"])

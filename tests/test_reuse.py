@@ -5,6 +5,7 @@ Also: Stop ends a long prefill within one chunk, and a data folder that cannot b
 fails a reply."""
 
 import logging
+import shutil
 import threading
 import time
 
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from h2o_chat import ChatSession
+from h2o_chat.chat import saved_kv, store
 from h2o_chat.chat import timeline as timeline_mod
 from h2o_chat.chat.conversation import Message
 from h2o_chat.chat.template import KnownTokens, render, token_ids
@@ -233,6 +235,8 @@ def test_a_restored_conversations_replay_stops_when_asked_and_the_next_turn_feed
     session = ChatSession(model, tok, cache=CACHE, temperature=0, max_new_tokens=4, data_dir=tmp_path)
     for i in range(3):
         "".join(session.send(f"Message {i}: " + "words " * 60))
+    saved_kv.flush()
+    shutil.rmtree(store.kv_folder(tmp_path, session.id))  # no saved cache: it is replayed
     chunks = []
     restored = ChatSession.open(model, tok, session.id, tmp_path, on_progress=lambda done, total: chunks.append(done),
                                 should_stop=lambda: len(chunks) >= 2)

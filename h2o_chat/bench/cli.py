@@ -19,6 +19,9 @@
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
     story    a 36-turn role-play story through /v1 as SillyTavern sends it (default samplers),
              the app's cache against the full one: prompt reuse per turn, TTFT, degenerate replies
+    reopen   stories of 2,000 / 10,000 / 35,000 tokens reopened from their saved cache (fresh
+             processes) against replayed; disk and write time per reply; Open WebUI's older branch
+             resent through /v1, with saved caches and without
     user-gguf  a Llama-3.2-1B-shaped random Q4_0 GGUF loaded at its own width against
              dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
@@ -34,7 +37,7 @@ from dataclasses import fields
 
 from ..cache.config import CacheConfig
 from ..serve.cli import add_setting_flag
-from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, soak, story, user_gguf
+from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, reopen, soak, story, user_gguf
 from .common import MT_BENCH, SHAKESPEARE
 from .peers import kvpress, llamacpp
 
@@ -239,6 +242,20 @@ def main(argv=None):
                    "TTFT then includes waiting for the others)")
     add_quick(p, turns=6, seeds=[0], max_tokens=48)
     p.set_defaults(run=story.run)
+    p = sub.add_parser("reopen", parents=[shared], help="a long story reopened from its saved cache vs replayed; "
+                                                          "write cost per reply; an older branch through /v1")
+    p.add_argument("--lengths", type=int_list, default=[2000, 10000, 35000], help="story lengths in tokens")
+    cache_flag(p, "budget")
+    p.add_argument("--dtype", default="auto")
+    quantization_flag(p)
+    p.add_argument("--replies", type=int, default=6, help="replies of the chat whose saving is timed")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens per reply of that chat")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply of the /v1 requests")
+    p.add_argument("--threads", type=int, default=2, help="OMP threads of the /v1 server")
+    p.add_argument("--skip-v1", action="store_true", help="leave out the /v1 older-branch part")
+    add_quick(p, lengths=[300, 1000], replies=2, new_tokens=8, max_tokens=8)
+    p.set_defaults(run=reopen.run)
+
     p = sub.add_parser("user-gguf", parents=[shared], help="a 1B-class GGUF at its own width vs dequantized vs llama.cpp")
     p.add_argument("--file", default=None, help="a GGUF file (default: write a random one into --out)")
     p.add_argument("--shape", default="llama-1b", choices=sorted(user_gguf.SHAPES), help="the random file's shape")

@@ -67,6 +67,14 @@ def pinned_slots(pins, n_sink):
     return len(set().union(*(range(max(start, n_sink), end) for start, end in pins)))
 
 
+def check_pins(pins, limits):
+    """PinRefused when `pins` leave these limits no room for the sinks and the recent window."""
+    if limits is not None and limits.budget is not None:
+        pinned = pinned_slots(pins, limits.n_sink)
+        if limits.n_sink + pinned + limits.n_recent > limits.budget:
+            raise PinRefused(limits, pinned)
+
+
 class PinRefused(ValueError):
     """Pins the budget has no room for: `limits` (a Budget) and `pinned`, the slots they would take."""
 
@@ -166,9 +174,53 @@ class H2OLayer(CacheLayerMixin):
     def snapshot(self):
         return self.n_seen, self.n_slots, self.roll_floor, None if self.kv is None else (self.kv.clone(), self.meta.clone())
 
-    def restore(self, state):
-        """Back to a `snapshot()` (which stays valid). Buffers of the same shape are written in place,
-        so the decode step's views stay valid."""
+    @staticmethod
+    def state_tensors(state, prefix):
+        """A `snapshot()` as named tensors (`prefix` kv, meta; none before the layer holds anything)
+        and its counts (n_seen, n_slots, roll_floor): what a saved cache file holds of this layer."""
+        n_seen, n_slots, roll_floor, buffers = state
+        tensors = {} if buffers is None else {prefix + "kv": buffers[0], prefix + "meta": buffers[1]}
+        return tensors, (n_seen, n_slots, roll_floor)
+
+    @staticmethod
+    def state_token_ids(state):
+        """[batch, kv_heads, slots] the token in each live slot of a `snapshot()` (None: none)."""
+        _, n_slots, _, buffers = state
+        return None if buffers is None else buffers[1][IDS, :, :, :n_slots].long()
+
+    @staticmethod
+    def state_from(kv, meta, counts, kv_heads, head_dim, dtype, limits):
+        """The `snapshot()` that `state_tensors` gave (kv, meta None for a layer that held
+        nothing), checked against the model (kv heads, head_dim, dtype) and the resolved `limits`:
+        ValueError saying what does not fit, before anything is touched."""
+        n_seen, n_slots, roll_floor = counts
+        if not 0 <= roll_floor <= n_seen or not 0 <= n_slots <= n_seen:
+            raise ValueError(f"inconsistent counts (seen {n_seen}, slots {n_slots}, roll floor {roll_floor})")
+        if kv is None or meta is None:
+            if kv is not None or meta is not None or n_seen:
+                raise ValueError("a layer's keys and values are missing")
+            return 0, 0, 0, None
+        if kv.dtype != dtype or meta.dtype != INT_OF.get(score_dtype(dtype)):
+            raise ValueError(f"buffers of {kv.dtype} / {meta.dtype}, the model runs {dtype}")
+        if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[2] != kv_heads or kv.shape[4] != head_dim:
+            raise ValueError(f"keys and values of shape {list(kv.shape)}, the model has {kv_heads} KV heads of "
+                             f"{head_dim}")
+        capacity = kv.shape[3]
+        if list(meta.shape) != [N_META, *kv.shape[1:4]]:
+            raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}")
+        bounded = limits is not None and limits.budget is not None
+        if n_slots > capacity or (bounded and (capacity != limits.budget + 1 or n_slots > limits.budget)):
+            raise ValueError(f"{n_slots} slots in buffers of {capacity} for a budget of "
+                             f"{limits.budget if bounded else 'none'}")
+        ids = meta[IDS, :, :, :n_slots]
+        if n_slots and (int(ids.min()) < 0 or int(ids.max()) >= n_seen):
+            raise ValueError("slots hold tokens that were never fed")
+        return n_seen, n_slots, roll_floor, (kv, meta)
+
+    def restore(self, state, adopt=False):
+        """Back to a `snapshot()` (which stays valid, unless `adopt`: its buffers may become the
+        layer's own, for a state read from a file and used once). Buffers of the same shape are
+        written in place, so the decode step's views stay valid."""
         n_seen, n_slots, roll_floor, buffers = state
         if buffers is None:
             self.set_buffers(None, None, 0)
@@ -177,6 +229,8 @@ class H2OLayer(CacheLayerMixin):
             self.meta.copy_(buffers[1])
             self.n_slots = n_slots
             self._views()
+        elif adopt:
+            self.set_buffers(buffers[0], buffers[1], n_slots)
         else:
             self.set_buffers(buffers[0].clone(), buffers[1].clone(), n_slots)
         self.n_seen, self.roll_floor = n_seen, roll_floor
@@ -377,6 +431,10 @@ class H2OCache(Cache):
             model.set_attn_implementation(scoring.ATTN_NAME)
         inv_freq = model.base_model.rotary_emb.inv_freq.detach().float()
         n_layers = text_config.num_hidden_layers
+        # what a saved state must match (import_state): the shape and dtype of the keys this model writes
+        self.kv_heads = text_config.num_key_value_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.dtype = model.dtype
         self._pending = [None] * n_layers  # (keys, values) handed over by update(), consumed by attend()
         super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions) for _ in range(n_layers)])
 
@@ -421,13 +479,51 @@ class H2OCache(Cache):
         """A copy of the whole cache state (bounded by the budget, so cheap), for `restore`."""
         return [layer.snapshot() for layer in self.layers], self.pins, self.limits
 
-    def restore(self, snapshot):
-        """Return to a `snapshot` (which stays valid: it can be restored again)."""
+    def restore(self, snapshot, adopt=False):
+        """Return to a `snapshot` (which stays valid: it can be restored again; unless `adopt`, for
+        one read from a file and used once, whose buffers the layers may keep instead of copying)."""
         layers, pins, limits = snapshot
         for layer, state in zip(self.layers, layers):
-            layer.restore(state)
+            layer.restore(state, adopt)
         self._pending = [None] * len(self.layers)
         self.pins, self.limits = list(pins), limits
+
+    # --- saving ------------------------------------------------------------------------------
+    def export_state(self, snapshot):
+        """A `snapshot()` as (tensors, info) for a file (chat/saved_kv.py): per layer i that holds
+        anything `layer.{i}.kv` [2, batch, kv_heads, capacity, head_dim] and `layer.{i}.meta`
+        [N_META, batch, kv_heads, capacity] (integers: the scores travel as their bits), and
+        `layer.counts` [layers, 3] (n_seen, n_slots, roll_floor); info: the pins and resolved
+        limits, plain values. The tensors are the snapshot's own (no copy)."""
+        layers, pins, limits = snapshot
+        tensors, counts = {}, []
+        for i, state in enumerate(layers):
+            named, count = H2OLayer.state_tensors(state, f"layer.{i}.")
+            tensors.update(named)
+            counts.append(count)
+        tensors["layer.counts"] = torch.tensor(counts, dtype=torch.int64)
+        info = {"pins": [list(p) for p in pins], "limits": None if limits is None else
+                [limits.budget, limits.n_sink, limits.n_recent]}
+        return tensors, info
+
+    def import_state(self, tensors, info):
+        """The snapshot `export_state` gave, checked against this cache's model (layers, KV heads,
+        head_dim, dtype) and settings before anything is touched: ValueError saying what does not
+        fit. `restore` it to use it; the tensors are moved to `device` by the caller."""
+        counts = tensors.get("layer.counts")
+        if counts is None or counts.dtype != torch.int64 or list(counts.shape) != [len(self.layers), 3]:
+            raise ValueError(f"it holds {'no' if counts is None else list(counts.shape)[0]} layers, the model has "
+                             f"{len(self.layers)}")
+        limits = read_limits(info.get("limits"), self.config)
+        pins = read_pins(info.get("pins"))
+        layers = [H2OLayer.state_from(tensors.get(f"layer.{i}.kv"), tensors.get(f"layer.{i}.meta"), row,
+                                      self.kv_heads, self.head_dim, self.dtype, limits)
+                  for i, row in enumerate(counts.tolist())]
+        if len({state[0] for state in layers}) > 1:
+            raise ValueError("its layers have seen different numbers of tokens")
+        if layers[0][0] and limits is None:
+            raise ValueError("it has seen tokens but no budget was resolved")
+        return layers, pins, limits
 
     def reset(self):
         for layer in self.layers:
@@ -445,11 +541,7 @@ class H2OCache(Cache):
         if not (0 <= start < end):
             raise ValueError(f"protect: need 0 <= start < end, got [{start}, {end})")
         pins = self.pins + [(start, end)]
-        if self.limits is not None and self.limits.budget is not None:
-            lim = self.limits
-            pinned = pinned_slots(pins, lim.n_sink)
-            if lim.n_sink + pinned + lim.n_recent > lim.budget:
-                raise PinRefused(lim, pinned)
+        check_pins(pins, self.limits)
         self.pins = pins
 
     def set_pins(self, ranges):
@@ -526,6 +618,33 @@ class H2OCache(Cache):
                 f"H2OCache(positions='absolute'): the conversation has passed the model's "
                 f"{self.max_positions} trained positions; quality will degrade. Use positions='rolling' "
                 f"to keep every distance within the budget.", stacklevel=3)
+
+
+def read_limits(value, config: CacheConfig):
+    """Saved limits ([budget, n_sink, n_recent] or None) as a Budget these settings can have
+    resolved to (exactly their own for a whole-number budget); ValueError otherwise."""
+    if value is None:
+        if isinstance(config.budget, float):
+            return None
+        raise ValueError("the budget was never resolved")
+    if not (isinstance(value, list) and len(value) == 3 and (value[0] is None or type(value[0]) is int)
+            and all(type(v) is int and v >= 0 for v in value[1:])):
+        raise ValueError(f"unreadable limits {value!r}")
+    limits = Budget(*value)
+    if not isinstance(config.budget, float):
+        if limits != config.resolve(0):
+            raise ValueError(f"limits {value} are not those of these settings")
+    elif limits.budget is None or limits.budget < 1 or limits.n_sink + limits.n_recent > limits.budget:
+        raise ValueError(f"limits {value} cannot come from these settings")
+    return limits
+
+
+def read_pins(value):
+    """Saved pins ([[start, end]]) as the cache holds them; ValueError otherwise."""
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p)
+                                              and 0 <= p[0] < p[1] for p in value):
+        raise ValueError(f"unreadable pins {value!r}")
+    return [tuple(p) for p in value]
 
 
 def check_model(text_config, config: CacheConfig):

@@ -6,9 +6,29 @@ the cache stores). Retention is read from the cache on demand, so the ledger its
 a few Python objects per token (a 20,000-token ledger is a few MB).
 """
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
+
+ROLES = ("system", "user", "assistant", "template")  # a token's role: its message's, or the template's closing
+
+
+def text_tensor(text):
+    """Text as a uint8 tensor of its UTF-8 bytes (a tokenizer's piece may hold a lone surrogate:
+    kept as it is)."""
+    data = text.encode("utf-8", "surrogatepass")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def tensor_text(tensor, what):
+    """The text `text_tensor` gave; ValueError naming `what` when the bytes are not UTF-8."""
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise ValueError(f"{what} is not text")
+    try:
+        return tensor.numpy().tobytes().decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} is not UTF-8") from None
 
 
 @dataclass
@@ -32,6 +52,38 @@ class Ledger:
     def truncate(self, n):
         for name in ("vocab_ids", "pieces", "roles", "turns"):
             del getattr(self, name)[n:]
+
+    def export(self, n):
+        """The first n tokens as tensors for a saved state (chat/saved_kv.py): `ids`, `turns` [n]
+        int64, `roles` [n] uint8 (indices into ROLES), and the text pieces joined (`pieces` uint8,
+        UTF-8) with each piece's length in characters (`piece_lengths` [n] int64)."""
+        pieces = self.pieces[:n]
+        return {"ids": torch.tensor(self.vocab_ids[:n], dtype=torch.int64),
+                "turns": torch.tensor(self.turns[:n], dtype=torch.int64),
+                "roles": torch.tensor([ROLES.index(r) for r in self.roles[:n]], dtype=torch.uint8),
+                "pieces": text_tensor("".join(pieces)),
+                "piece_lengths": torch.tensor([len(p) for p in pieces], dtype=torch.int64)}
+
+    @classmethod
+    def from_tensors(cls, tensors, vocab_size):
+        """The ledger `export` gave, checked (equal lengths, ids in the vocabulary, known roles,
+        pieces that add up): ValueError otherwise."""
+        ids, turns, roles, lengths = (tensors.get(k) for k in ("ids", "turns", "roles", "piece_lengths"))
+        pieces = tensors.get("pieces")
+        if any(t is None or t.dim() != 1 for t in (ids, turns, roles, lengths, pieces)):
+            raise ValueError("its token ledger is incomplete")
+        n = ids.numel()
+        if not turns.numel() == roles.numel() == lengths.numel() == n:
+            raise ValueError("its token ledger's columns differ in length")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or int(roles.max()) >= len(ROLES)
+                  or int(lengths.min()) < 0):
+            raise ValueError("its token ledger holds values out of range")
+        text = tensor_text(pieces, "its token ledger's text")
+        ends = list(itertools.accumulate(lengths.tolist()))
+        if (ends[-1] if ends else 0) != len(text):
+            raise ValueError("its token ledger's text does not add up")
+        return cls(ids.tolist(), [text[a:b] for a, b in zip([0, *ends], ends)],
+                   [ROLES[r] for r in roles.tolist()], turns.tolist())
 
     def retention(self, cache):
         """What the cache keeps of each token now (batch row 0):

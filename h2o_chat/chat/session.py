@@ -36,12 +36,13 @@ import os
 import threading
 import time
 import unicodedata
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from ..cache.config import CacheConfig
 from ..cache.h2o import PinRefused, pinned_slots
-from . import store
+from . import saved_kv, store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .detok import Detokenizer
 from .limits import Limits
@@ -157,7 +158,7 @@ class ChatSession:
     def __init__(self, model, tokenizer, cache: CacheConfig | dict | None = None, system_prompt: str | None = None,
                  data_dir: str | os.PathLike | None = None, session_id: str | None = None,
                  conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 batcher=None, should_stop: Callable[[], bool] | None = None, **sampling_fields):
+                 batcher=None, should_stop: Callable[[], bool] | None = None, lazy: bool = False, **sampling_fields):
         limits = Limits.of(model)
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
@@ -191,22 +192,33 @@ class ChatSession:
         self._segments_fed = []  # the last sync's segments (a continued reply's tokens so far)
         self._detok = None  # the reply's Detokenizer (how much of it is shown)
         self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
+        # the conversation's cache states saved beside it (saved_kv.py): what a sync starts from
+        self.saved = saved_kv.States(data_dir, lambda: self.conversation, model, tokenizer) \
+            if data_dir is not None and saved_kv.BUDGET.total_mib > 0 else None
+        self._marks = []  # snapshots taken at a reply's start (what regenerate returns to), saved at its end
+        self._saved_at = None  # (timeline, its changes) when its state was last queued for saving
         self.timeline = self._new_timeline(self.cache_config)
-        if conversation.messages:
+        if conversation.messages and self.saved is not None:
+            self.saved.latest_session(self._known, self._sampler)  # before rendering: replies as they were drawn
+        if conversation.messages and not lazy:
             self._sync(should_stop=should_stop)  # stopped early: the next turn feeds the rest
 
     @classmethod
     def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
-                          batcher=None, should_stop=None) -> ChatSession:
-        """The runtime of `conversation`: it is replayed into a fresh cache (pinned messages
-        protected before their tokens are fed), calling `on_progress(done, total)` as it goes."""
+                          batcher=None, should_stop=None, lazy=False) -> ChatSession:
+        """The runtime of `conversation`: its cache state saved in `data_dir` is loaded when it
+        belongs to this model and settings (only what the conversation has beyond it is fed),
+        else it is replayed into a fresh cache (pinned messages protected before their tokens
+        are fed, a notice saying why), calling `on_progress(done, total)` as it goes. lazy: fill
+        the cache at the first turn instead (from the saved state that shares the most with it)."""
         return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress,
-                   batcher=batcher, should_stop=should_stop)
+                   batcher=batcher, should_stop=should_stop, lazy=lazy)
 
     @classmethod
     def open(cls, model, tokenizer, conversation_id: str, data_dir: str | os.PathLike, on_progress=None,
-             batcher=None, should_stop=None) -> ChatSession:
-        """A saved conversation, replayed into a fresh cache.
+             batcher=None, should_stop=None, lazy=False) -> ChatSession:
+        """A saved conversation, its cache loaded from the state saved beside it (or replayed:
+        see `from_conversation`).
 
         Parameters
         ----------
@@ -225,7 +237,7 @@ class ChatSession:
             (a ValueError) when the file is missing, corrupt or holds invalid settings.
         """
         return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress,
-                                     batcher, should_stop)
+                                     batcher, should_stop, lazy)
 
     restore = open
 
@@ -345,6 +357,7 @@ class ChatSession:
                 self.last_turn.finish, self.last_turn.end = "stop", time.perf_counter()
                 return
             self.timeline.mark()  # what regenerate returns to
+            self._marks.append(self.timeline.snapshots[-1])  # saved at the reply's end: an older branch starts there
             yield from self._stream(ban_stop_first=False)
         finally:
             self._end()
@@ -447,6 +460,7 @@ class ChatSession:
             self._busy = False
             if self._free_when_idle:
                 self._free_when_idle = False
+                self._save_state()  # the reply's state goes to disk (a copy, written later) before the cache is freed
                 self.timeline = self._new_timeline(self.cache_config)
         self.autosave()  # after the flag: a failing disk must not keep close() waiting
 
@@ -633,11 +647,15 @@ class ChatSession:
             if self._busy:
                 self._free_when_idle = True
                 return
+            self._save_state()  # unless it is saved already: reopening loads it
             self.timeline = self._new_timeline(self.cache_config)
 
     # --- saving --------------------------------------------------------------------------------
     def autosave(self):
-        """Save the conversation; if another session saved it meanwhile, save ours as a fork."""
+        """Save the conversation; if another session saved it meanwhile, save ours as a fork. When
+        no reply is being written, the cache's state is saved beside it too (saved_kv.py; a copy
+        now, written by a background thread): a reply's end, an edit, an undo. While a reply
+        streams only the text is saved: the state saved before it is still a valid start."""
         if self.data_dir is None:
             return
         try:
@@ -657,6 +675,25 @@ class ChatSession:
             self.save_error = reason
             return
         self.save_error = None
+        if not self._busy:
+            self._save_state()
+
+    def _save_state(self):
+        """Queue the cache's state for saving (unless it is queued already), after the reply starts
+        marked since the last save that the timeline still holds."""
+        timeline = self.timeline
+        if self.saved is None or self.save_error is not None:
+            return
+        saved_at, head = self._saved_at, None
+        if timeline.fed and (saved_at is None or saved_at[0]() is not timeline or saved_at[1] != timeline.changes):
+            head = timeline.snapshot()  # copied before the writer is woken: it would compete for the cores
+            self._saved_at = (weakref.ref(timeline), timeline.changes)  # weak: a closed session's cache is freed
+        marks, self._marks = self._marks, []
+        for snap in marks:
+            if any(s is snap for s in timeline.snapshots):
+                self.saved.save(timeline, snap, self._known)
+        if head is not None:
+            self.saved.save(timeline, head, self._known, self._sampler.generator, self.sampling.seed)
 
     def take_notices(self):
         notices, self.notices = self.notices, []
@@ -670,7 +707,7 @@ class ChatSession:
 
     # --- internals -----------------------------------------------------------------------------
     def _new_timeline(self, cache_config):
-        return Timeline(self.model, self.tokenizer, cache_config, self.batcher)
+        return Timeline(self.model, self.tokenizer, cache_config, self.batcher, self.saved)
 
     _template_text = False  # message texts are plain text (a TextSession's prompt is not)
 
@@ -686,7 +723,11 @@ class ChatSession:
     def _sync(self, add_generation_prompt=False, open_reply=True, should_stop=None):
         """Make the cache hold the rendered conversation; False when should_stop() ended it early."""
         segments = self._segments(add_generation_prompt, open_reply and not add_generation_prompt)
-        complete = self.timeline.sync(segments, self._pins(segments), self.on_progress, should_stop)
+        try:
+            complete = self.timeline.sync(segments, self._pins(segments), self.on_progress, should_stop)
+        finally:
+            if self.saved is not None:
+                self.notices += self.saved.take_notices()  # a saved cache that could not be used, and why
         self._segments_fed = segments
         n = len(self.timeline.fed)
         self.turn_stats = [row for row in self.turn_stats if row["tokens_seen"] <= n]  # a replay redraws

@@ -4,8 +4,10 @@
     write(data_dir, conversation)   -> the new revision       StaleRevisionError if another
                                                                writer got there first
     summaries(data_dir) -> [Summary], newest first             (id, title, updated, n_messages)
+    delete(data_dir, id)                                       the file, its lock and its saved caches
     list_ids(data_dir), load(data_dir, id) -> record dict, save(data_dir, id, record): the
-    file level underneath (save has no revision check).
+    file level underneath (save has no revision check). kv_folder(data_dir, id): where the
+    conversation's cache states are saved (chat/saved_kv.py).
 
 Writes are atomic (a temporary file, fsync, rename: a crash leaves the old file or the new
 one, never half). `write` is compare-and-swap on the revision: it writes only when the file's
@@ -21,6 +23,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -53,6 +56,23 @@ def check_id(session_id):
 
 def session_path(data_dir, session_id):
     return Path(data_dir) / f"{check_id(session_id)}.json"
+
+
+KV_FOLDER = "kv"  # data_dir/kv/<id>/: the conversation's saved cache states (chat/saved_kv.py)
+
+
+def kv_folder(data_dir, session_id):
+    return Path(data_dir) / KV_FOLDER / check_id(session_id)
+
+
+def delete(data_dir, conversation_id):
+    """Remove a saved conversation: its file, its lock and its saved cache states. A conversation
+    that is not there is no error (it is gone either way); an invalid id is (ValueError)."""
+    path = session_path(data_dir, conversation_id)
+    with _locked(path):
+        path.unlink(missing_ok=True)
+        shutil.rmtree(kv_folder(data_dir, conversation_id), ignore_errors=True)
+    (path.parent / f".{path.stem}.lock").unlink(missing_ok=True)
 
 
 # --- conversations ---------------------------------------------------------------------------

@@ -28,12 +28,16 @@ BPE would often split differently, and a reply rendered from its text would then
 what the cache holds, so every turn would compute the previous reply again.
 """
 
+import itertools
 import json
 import os
 import threading
 from typing import NamedTuple
 
+import torch
 from jinja2 import TemplateError
+
+from .ledger import tensor_text, text_tensor
 
 PLACEHOLDER = "\x00h2o-content-{}\x00"
 FOLD_SEPARATOR = "\n\n"  # between a folded system message and the user text it joins
@@ -248,6 +252,44 @@ class KnownTokens:
             self.replies[text] = (list(ids), len(covered))
             while len(self.replies) > self.keep:
                 self.replies.pop(next(iter(self.replies)))
+
+    def export(self):
+        """The replies as tensors for a saved state (chat/saved_kv.py): their texts joined
+        (`text`, UTF-8) with each one's length in characters, their ids joined with each one's
+        count, and how much of each text the ids cover (`covered`), oldest first."""
+        texts, rows = list(self.replies), list(self.replies.values())
+        return {"text": text_tensor("".join(texts)),
+                "text_lengths": torch.tensor([len(t) for t in texts], dtype=torch.int64),
+                "ids": torch.tensor([i for ids, _ in rows for i in ids], dtype=torch.int64),
+                "id_counts": torch.tensor([len(ids) for ids, _ in rows], dtype=torch.int64),
+                "covered": torch.tensor([done for _, done in rows], dtype=torch.int64)}
+
+    def load(self, tensors, vocab_size):
+        """Remember the replies `export` gave (after those remembered now), checked first: ValueError
+        when they do not add up or hold ids outside the vocabulary, and nothing is remembered."""
+        names = ("text", "text_lengths", "ids", "id_counts", "covered")
+        text, lengths, ids, counts, covered = (tensors.get(k) for k in names)
+        if any(t is None or t.dim() != 1 for t in (text, lengths, ids, counts, covered)):
+            raise ValueError("its replies are incomplete")
+        if not lengths.numel() == counts.numel() == covered.numel() or int(counts.sum()) != ids.numel():
+            raise ValueError("its replies do not add up")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError("its replies hold tokens outside the vocabulary")
+        text = tensor_text(text, "its replies' text")
+        ends = list(itertools.accumulate(lengths.tolist()))
+        if (ends[-1] if ends else 0) != len(text) or (lengths.numel() and int(lengths.min()) < 0):
+            raise ValueError("its replies' text does not add up")
+        id_ends = list(itertools.accumulate(counts.tolist()))
+        ids = ids.tolist()
+        replies = [(text[a:b], ids[c:d], done) for a, b, c, d, done in
+                   zip([0, *ends], ends, [0, *id_ends], id_ends, covered.tolist())]
+        if any(not 0 <= done <= len(t) for t, _, done in replies):
+            raise ValueError("its replies' coverage is out of range")
+        for t, reply_ids, done in replies:
+            self.replies.pop(t, None)
+            self.replies[t] = (reply_ids, done)
+        while len(self.replies) > self.keep:
+            self.replies.pop(next(iter(self.replies)))
 
     def ids(self, text):
         """`text` as tokens, starting with the most of a remembered reply's ids that it repeats;

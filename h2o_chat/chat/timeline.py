@@ -8,11 +8,15 @@
       .feed_token(token, token_id, role, turn)   one generated token
       .mark()    a snapshot of now, to come back to cheaply (undo, regenerate, a changed reply)
       .snapshot() / .rewind(snapshot)   the same, held by the caller (a reply's stop-string cut)
+      .saved     saved_kv.States or None: the conversation's states on disk, which sync may start from
 
 `sync` makes the cache hold exactly the rendered `segments`: it keeps the longest fed prefix
 they share (going back to the latest snapshot inside it, or to empty), protects the pinned
 ranges (absolute [start, end) of the rendered tokens) BEFORE any of their tokens is fed, then
-feeds the rest in chunks. Edit, settings change, restore and reload all come through it. A pin
+feeds the rest in chunks. Before feeding it loads, when the conversation has one on disk, the saved
+state that holds the most of the rendering beyond what the cache holds (`resume`): a reopened
+conversation, or an older branch, starts there instead of from nothing. Edit, settings change,
+restore and reload all come through it. A pin
 set after some of its tokens were evicted (a message pinned late) counts as a change at its
 first missing token: the cache goes back to before it and feeds it again, so a pinned token is
 held by every layer and KV head, always. `should_stop()` is asked before each chunk: a Stop or a
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.h2o import H2OCache
+from ..cache.h2o import H2OCache, H2OLayer, check_pins
 from ..models.decode import Decoder
 from .ledger import Ledger
 from .template import token_ids
@@ -55,14 +59,14 @@ class Snapshot:
     logits: torch.Tensor | None
 
 
-def first_missing_pin(cache, n):
-    """The first pinned token below `n` that some layer or KV head of `cache` no longer holds, or None."""
-    wanted = sorted({t for start, end in cache.pins for t in range(start, min(end, n))})
+def first_missing_pin(pins, layer_ids, n):
+    """The first token below `n` pinned by `pins` that some layer or KV head no longer holds, or
+    None. layer_ids: per layer, [batch, kv_heads, slots] the token in each slot (None: nothing)."""
+    wanted = sorted({t for start, end in pins for t in range(start, min(end, n))})
     if not wanted:
         return None
     first = None
-    for layer in range(len(cache.layers)):
-        ids = cache.token_ids(layer)
+    for ids in layer_ids:
         held = torch.zeros(1, len(wanted), dtype=torch.bool) if ids is None else \
             (ids[0, :, :, None].cpu() == torch.tensor(wanted)).any(dim=1)  # [kv_heads, wanted]
         missing = (~held.all(dim=0)).nonzero()
@@ -72,14 +76,16 @@ def first_missing_pin(cache, n):
 
 
 class Timeline:
-    def __init__(self, model, tokenizer, cache_config, batcher=None):
+    def __init__(self, model, tokenizer, cache_config, batcher=None, saved=None):
         self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
+        self.saved = saved  # saved_kv.States: the conversation's saved states, where a sync may start from
         self.cache = H2OCache(model, config=cache_config)
         self.decoder = Decoder(model)  # the lean forward for one generated token (decode.py)
         self.ledger = Ledger()
         self.logits = None
         self.snapshots = []
         self.tokens_processed = 0  # every token run through the model, replays included
+        self.changes = 0  # counts every change of the state: a state already saved is not saved again
 
     @property
     def fed(self):
@@ -95,18 +101,46 @@ class Timeline:
             if a != b:
                 break
             common += 1
-        broken = first_missing_pin(self.cache, common)  # pinned after some of its tokens were evicted
+        layer_ids = (self.cache.token_ids(i) for i in range(len(self.cache.layers)))  # read only if pins need it
+        broken = first_missing_pin(self.cache.pins, layer_ids, common)  # pinned after some of its tokens were evicted
         if broken is not None:
             common = broken
         if common < len(self.fed):
             self.go_back(common)
             self.cache.set_pins(pins)  # a snapshot brings its own pins back
+        if self.resume(target, pins) and on_progress:
+            on_progress(len(self.fed), len(target))
         parts, pos = [], 0  # what is missing of each segment
         for ids, role, turn, *_ in segments:
             if pos + len(ids) > len(self.fed):
                 parts.append((ids[max(0, len(self.fed) - pos) :], role, turn))
             pos += len(ids)
         return self.feed(parts, on_progress, len(target), should_stop)
+
+    def resume(self, target, pins):
+        """Load the saved state (chat/saved_kv.py) that holds the most of `target` (ids) beyond
+        what the cache holds now, if one does and every pinned token before its end is still in
+        it; True when one was loaded."""
+        if self.saved is None or len(target) <= len(self.fed):
+            return False
+        for path in self.saved.candidates(target, len(self.fed), self.cache.config):
+            loaded = self.saved.load(path, self, target)
+            if loaded is None:
+                continue
+            snap, ledger = loaded
+            layers, _, limits = snap.cache
+            try:
+                check_pins(pins, limits)
+            except ValueError:
+                continue
+            if first_missing_pin(pins, (H2OLayer.state_token_ids(s) for s in layers), snap.n_fed) is not None:
+                continue
+            self.cache.restore(snap.cache, adopt=True)  # read for this alone: no copy
+            self.cache.set_pins(pins)
+            self.logits, self.ledger = snap.logits, ledger
+            self.changes += 1
+            return True
+        return False
 
     def copy(self):
         """Another timeline at the same state: a copy of the cache, the ledger and the snapshots
@@ -129,6 +163,7 @@ class Timeline:
         self.logits = snap.logits
         self.ledger.truncate(snap.n_fed)
         self.snapshots = [s for s in self.snapshots if s.n_fed <= snap.n_fed]
+        self.changes += 1
 
     def go_back(self, n):
         """Return to the latest snapshot of at most `n` tokens (or to empty)."""
@@ -142,6 +177,7 @@ class Timeline:
         n = snap.n_fed if snap else 0
         self.ledger.truncate(n)
         self.snapshots = [s for s in self.snapshots if s.n_fed <= n]
+        self.changes += 1
 
     @torch.no_grad()
     def feed(self, parts, on_progress=None, total=None, should_stop=None):
@@ -190,3 +226,4 @@ class Timeline:
                 raise GenerationError(OUT_OF_MEMORY) from None
             raise
         self.tokens_processed += x.shape[1]
+        self.changes += 1

@@ -109,7 +109,7 @@ class Api:
         self.model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
         self.concurrency, self.max_prompt_tokens = concurrency, max_prompt_tokens
         self.workers = threading.BoundedSemaphore(concurrency)  # generations at once, as the UI's --concurrency
-        self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20))
+        self.pool = SessionPool(self.make_session, int(max_kv_mib * 2**20), data_dir, self.open_saved)
         self.stop_ids = stop_token_ids(model, tokenizer) if model is not None else set()
         self.template_tools = tokenizer is not None and renders_tools(tokenizer)
         self.known_calls = KnownCalls()  # the reply text each tool call handed out was read from
@@ -120,6 +120,12 @@ class Api:
             return TextSession(self.model, self.tokenizer, cache=cache, batcher=self.batcher)
         return ChatSession(self.model, self.tokenizer, cache=cache, system_prompt=system_prompt,
                            data_dir=self.data_dir, batcher=self.batcher)
+
+    def open_saved(self, conversation_id):
+        """A saved chat conversation back from disk (the pool dropped it, or the server restarted);
+        lazily: the request's first sync loads the saved cache state that shares the most with it."""
+        return ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir, batcher=self.batcher,
+                                lazy=True)
 
     # --- access ----------------------------------------------------------------------------------
     def check_access(self, request):

@@ -87,6 +87,7 @@ def show_requests(quiet):
 def parse_args(argv=None):
     check_app_installed()
     from ..cache.config import APP_FIELDS, CacheConfig
+    from ..chat.saved_kv import DiskBudget
     from .api import MAX_PROMPT_TOKENS
     from .pool import MAX_IDLE_KV_MIB
 
@@ -100,6 +101,7 @@ def parse_args(argv=None):
     for setting in fields(CacheConfig):
         if setting.name in APP_FIELDS:
             add_setting_flag(p, setting)
+    DISK_SETTINGS = {f.name: f for f in fields(DiskBudget)}
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     add_quantization_flag(p)
     # the flags of before --quantization, kept working: each is one of its values
@@ -118,6 +120,7 @@ def parse_args(argv=None):
                         "key the API refuses every request)")
     p.add_argument("--api-kv-mib", type=float, default=MAX_IDLE_KV_MIB,
                    help=f"KV memory of the API's idle conversations (default {MAX_IDLE_KV_MIB})")
+    add_setting_flag(p, DISK_SETTINGS["total_mib"], "--kv-disk-mib", type=float)  # float: 0.5 is a size too
     p.add_argument("--max-prompt-tokens", type=int, default=MAX_PROMPT_TOKENS,
                    help="an API request whose prompt is longer is refused before any of it is computed "
                         f"(default {MAX_PROMPT_TOKENS:,}: about a minute of prefill on a 2-core CPU)")
@@ -182,6 +185,8 @@ def port_taken(host, port, error):
 def main(argv=None):
     args = parse_args(argv)
     from ..cache.config import APP_FIELDS, CacheConfig
+    from ..chat import saved_kv
+    from ..chat.saved_kv import DiskBudget
     from ..models.load import ModelLoadError, load_model
     from ..ui.page import CSS, HEAD, build
 
@@ -199,6 +204,9 @@ def main(argv=None):
             raise ValueError("--concurrency must be at least 1")
         if args.max_prompt_tokens < 1:
             raise ValueError("--max-prompt-tokens must be at least 1")
+        if not args.kv_disk_mib >= 0:
+            raise ValueError("--kv-disk-mib must be at least 0 (0 saves no cache: every reopen replays)")
+        disk_budget = DiskBudget(total_mib=args.kv_disk_mib)
         check_exposure(args)
         check_data_dir(args.data_dir)
         check_port(args.host, args.port)
@@ -207,6 +215,7 @@ def main(argv=None):
     except (ValueError, ModelLoadError) as e:
         sys.exit(f"h2o-chat: {e}")
     show_requests(args.quiet)
+    saved_kv.BUDGET = disk_budget  # every conversation's saved caches share it
     from ..chat.batch import Batcher
     batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
     from .api import create_router

@@ -10,12 +10,19 @@ first once the pool's KV memory passes its bound.
 A session is lent to one request at a time; a second request for the same conversation while
 the first still streams gets another session (it shares less, so it is chosen only when no
 idle one is better).
+
+A conversation the pool dropped, or held before a restart, comes back from disk: `SavedIndex`
+knows every saved conversation's messages (by digest), and a request that repeats more of one of
+them than of any live session gets it reopened (`open_saved`, lazily: its first sync loads the
+saved cache state that shares the most with the request, see chat/saved_kv.py).
 """
 
+import hashlib
 import os
 import threading
 import time
 
+from ..chat import saved_kv, store
 from ..chat.session import ChatSession, cache_config
 from ..chat.template import Segment, tokenize
 
@@ -59,14 +66,70 @@ def shared_tokens(session, system_prompt, messages, tools=None):
     return sum(1 for t in session.ledger.turns if t < same)
 
 
+class SavedIndex:
+    """What the pool can resume from disk: per saved conversation in `data_dir`, its system prompt,
+    cache settings and a digest of each message. A file is read once, and again only when it
+    changed (its mtime): a request lists the folder, it does not read every conversation."""
+
+    def __init__(self, data_dir):
+        self.data_dir = data_dir
+        self._entries = {}  # id -> (mtime_ns, system_prompt, CacheConfig, [message digest])
+        self._lock = threading.Lock()
+
+    def refresh(self):
+        try:
+            files = {e.name[:-5]: e.stat().st_mtime_ns for e in os.scandir(self.data_dir) if e.name.endswith(".json")}
+        except OSError:
+            files = {}
+        for conversation_id in set(self._entries) - set(files):
+            del self._entries[conversation_id]
+        for conversation_id, mtime in files.items():
+            if conversation_id in self._entries and self._entries[conversation_id][0] == mtime:
+                continue
+            try:
+                saved = store.read(self.data_dir, conversation_id)
+            except ValueError:  # an invalid name or an unreadable file: nothing to resume
+                self._entries.pop(conversation_id, None)
+                continue
+            self._entries[conversation_id] = (mtime, saved.settings.system_prompt, saved.settings.cache,
+                                              [digest(m.role, m.content) for m in saved.messages])
+
+    def best(self, config, system_prompt, messages, exclude=()):
+        """(id, messages repeated) of the saved conversation under these settings of which the
+        request's `messages` repeat the most first messages (at least one; ties: the newest), or None."""
+        wanted = [digest(m["role"], m["content"]) for m in messages]
+        with self._lock:
+            self.refresh()
+            found = None
+            for conversation_id, (mtime, system, cache, digests) in self._entries.items():
+                if conversation_id in exclude or system != system_prompt or cache != config:
+                    continue
+                same = 0
+                for old, new in zip(digests, wanted):
+                    if old != new:
+                        break
+                    same += 1
+                if same and (found is None or (same, mtime) > found[1:]):
+                    found = (conversation_id, same, mtime)
+        return found[:2] if found else None
+
+
+def digest(role, content):
+    return hashlib.sha1(f"{role}\0{content}".encode("utf-8", "surrogatepass")).digest()
+
+
 class SessionPool:
     """make_session(kind, cache, system_prompt) -> a new ChatSession (kind "chat") or TextSession ("text");
     max_kv_bytes bounds the KV memory of the idle sessions kept (a session in use is never
-    dropped, so one long conversation may hold more than the bound on its own)."""
+    dropped, so one long conversation may hold more than the bound on its own). data_dir and
+    open_saved(conversation_id) -> ChatSession (opened lazily): where dropped conversations come
+    back from (None: they do not)."""
 
-    def __init__(self, make_session, max_kv_bytes):
+    def __init__(self, make_session, max_kv_bytes, data_dir=None, open_saved=None):
         self.make_session = make_session
         self.max_kv_bytes = max_kv_bytes
+        self.open_saved = open_saved
+        self.saved = SavedIndex(data_dir) if data_dir is not None and open_saved is not None else None
         self._sessions = []  # least recently used first
         self._lent = set()  # ids of sessions a request holds now
         self._clients = {}  # id(session) -> the client that last used it ("SillyTavern"), for the page's list
@@ -112,10 +175,13 @@ class SessionPool:
                     break
                 self._released.wait(left)
             forked = False
+            if kind == "chat":
+                best = self._from_disk(best, config, system_prompt, messages) or best
             if best is None:
                 best = self.make_session(kind, config, system_prompt)
             else:
-                self._sessions.remove(best)
+                if best in self._sessions:
+                    self._sessions.remove(best)
                 kept = messages_repeated(best, system_prompt, messages)
                 forked = kind == "chat" and kept < len(best.history) - 2  # more than a regenerate or an edit of the last exchange
             self._sessions.append(best)
@@ -124,6 +190,22 @@ class SessionPool:
         if forked:
             best.conversation.become_fork()  # saved under a new id: the old file keeps the old story
         return best, forked
+
+    def _from_disk(self, live, config, system_prompt, messages):
+        """The saved conversation the request repeats more of than of `live` (the best live
+        session, or None), reopened; None when there is none (or it cannot be opened)."""
+        if self.saved is None or saved_kv.BUDGET.total_mib == 0:  # no saved caches: a reopen would replay it all
+            return None
+        live_repeats = messages_repeated(live, system_prompt, messages) if live is not None else 0
+        if live_repeats >= len(messages) - 1:  # the live one holds all the history the request resends
+            return None
+        found = self.saved.best(config, system_prompt, messages, exclude={s.id for s in self._sessions})
+        if found is None or found[1] <= live_repeats:
+            return None
+        try:
+            return self.open_saved(found[0])
+        except ValueError:  # removed or damaged since it was listed
+            return None
 
     def release(self, session):
         with self._released:

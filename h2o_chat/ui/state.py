@@ -2,7 +2,7 @@
 the per-tab view state, and the small helpers every callback uses.
 
 A tab holds one ChatSession (gr.State) and the browser remembers its conversation id
-(gr.BrowserState), so a reload or a restarted server reopens the saved conversation by replaying it.
+(gr.BrowserState), so a reload or a restarted server reopens the saved conversation from its saved cache.
 """
 
 import os
@@ -54,7 +54,8 @@ class App:
                            batcher=self.batcher, **self.chat_defaults)
 
     def open(self, conversation_id, progress=None):
-        """A saved conversation, replayed through a fresh cache (with a progress bar when given)."""
+        """A saved conversation, its cache loaded from the state saved beside it; replayed through a
+        fresh cache when that cannot be used (with a progress bar when given, and a notice why)."""
         if not conversation_id:
             raise ValueError("choose a saved conversation first")
         on_progress = None
