@@ -68,12 +68,12 @@ def shared_tokens(session, system_prompt, messages, tools=None):
 
 class SavedIndex:
     """What the pool can resume from disk: per saved conversation in `data_dir`, its system prompt,
-    cache settings and a digest of each message. A file is read once, and again only when it
+    cache settings, tools and a digest of each message. A file is read once, and again only when it
     changed (its mtime): a request lists the folder, it does not read every conversation."""
 
     def __init__(self, data_dir):
         self.data_dir = data_dir
-        self._entries = {}  # id -> (mtime_ns, system_prompt, CacheConfig, [message digest])
+        self._entries = {}  # id -> (mtime_ns, (system_prompt, CacheConfig, tools), [message digest])
         self._lock = threading.Lock()
 
     def refresh(self):
@@ -91,18 +91,18 @@ class SavedIndex:
             except ValueError:  # an invalid name or an unreadable file: nothing to resume
                 self._entries.pop(conversation_id, None)
                 continue
-            self._entries[conversation_id] = (mtime, saved.settings.system_prompt, saved.settings.cache,
-                                              [digest(m.role, m.content) for m in saved.messages])
+            runs_with = (saved.settings.system_prompt, saved.settings.cache, saved.tools)
+            self._entries[conversation_id] = (mtime, runs_with, [digest(m.role, m.content) for m in saved.messages])
 
-    def best(self, config, system_prompt, messages, exclude=()):
-        """(id, messages repeated) of the saved conversation under these settings of which the
+    def best(self, config, system_prompt, messages, tools=None, exclude=()):
+        """(id, messages repeated) of the saved conversation under these settings and tools of which the
         request's `messages` repeat the most first messages (at least one; ties: the newest), or None."""
         wanted = [digest(m["role"], m["content"]) for m in messages]
         with self._lock:
             self.refresh()
             found = None
-            for conversation_id, (mtime, system, cache, digests) in self._entries.items():
-                if conversation_id in exclude or system != system_prompt or cache != config:
+            for conversation_id, (mtime, runs_with, digests) in self._entries.items():
+                if conversation_id in exclude or runs_with != (system_prompt, config, tools or None):
                     continue
                 same = 0
                 for old, new in zip(digests, wanted):
@@ -176,7 +176,7 @@ class SessionPool:
                 self._released.wait(left)
             forked = False
             if kind == "chat":
-                best = self._from_disk(best, config, system_prompt, messages) or best
+                best = self._from_disk(best, config, system_prompt, messages, tools) or best
             if best is None:
                 best = self.make_session(kind, config, system_prompt)
             else:
@@ -191,7 +191,7 @@ class SessionPool:
             best.conversation.become_fork()  # saved under a new id: the old file keeps the old story
         return best, forked
 
-    def _from_disk(self, live, config, system_prompt, messages):
+    def _from_disk(self, live, config, system_prompt, messages, tools):
         """The saved conversation the request repeats more of than of `live` (the best live
         session, or None), reopened; None when there is none (or it cannot be opened)."""
         if self.saved is None or saved_kv.BUDGET.total_mib == 0:  # no saved caches: a reopen would replay it all
@@ -199,7 +199,7 @@ class SessionPool:
         live_repeats = messages_repeated(live, system_prompt, messages) if live is not None else 0
         if live_repeats >= len(messages) - 1:  # the live one holds all the history the request resends
             return None
-        found = self.saved.best(config, system_prompt, messages, exclude={s.id for s in self._sessions})
+        found = self.saved.best(config, system_prompt, messages, tools, exclude={s.id for s in self._sessions})
         if found is None or found[1] <= live_repeats:
             return None
         try:
