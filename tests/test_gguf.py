@@ -193,3 +193,23 @@ def test_the_stats_line_and_v1_models_name_a_q4_k_m_files_mix(files, tmp_path):
         assert listed.weights == mix
         reply = client.chat.completions.create(model=listed.id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
         assert reply.usage.completion_tokens > 0
+
+
+def test_a_gguf_rewritten_in_another_block_type(files, tmp_path):
+    """bench's rewrite_gguf (the per-type perplexity files): the same metadata and tokenizer, the
+    chosen matrices in the new type, the others as asked, the norms as they were."""
+    import gguf
+
+    from h2o_chat.bench.random_gguf import rewrite_gguf
+
+    path = rewrite_gguf(files["Q4_K"], tmp_path / "down-q5_k.gguf", "Q5_K", only=["ffn_down"], rest="F16")
+    source, rewritten = gguf.GGUFReader(files["Q4_K"]), gguf.GGUFReader(path)
+    assert rewritten.fields["tokenizer.ggml.tokens"].contents() == source.fields["tokenizer.ggml.tokens"].contents()
+    kinds = {t.name: t.tensor_type.name for t in rewritten.tensors}
+    assert kinds["blk.1.ffn_down.weight"] == "Q5_K" and kinds["blk.1.ffn_up.weight"] == "F16"
+    assert kinds["blk.1.ffn_norm.weight"] == "F32" and len(kinds) == len(source.tensors)
+    before, after = (GGUFWeights(p) for p in (files["Q4_K"], path))
+    a, b = (w.dequantized(w.tensors["blk.0.ffn_down.weight"]) for w in (before, after))
+    assert 0 < (a - b).abs().max() < (a.max() - a.min()) / 31  # within a Q5 step of the source
+    model, _ = load_model(path)
+    assert weights_label(model) == "int4: GGUF F16 kept (13), Q5_K as two exact int4 halves (2)"

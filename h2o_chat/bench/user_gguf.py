@@ -4,7 +4,7 @@ against dequantized, and beside llama.cpp serving the same file.
 The file is a Llama-3.2-1B-shaped random-weight GGUF (16 layers, hidden 2048, 32 query and 8
 KV heads, MLP 8192, vocabulary 128,256, tied embeddings), written once by random_gguf.py in
 --block-type: Q4_0 (656 MB), or Q4_K_M, llama.cpp's mix (Q4_K, and Q6_K for the token table
-and half the layers' attn_v and ffn_down: 770 MB), or --file, any GGUF. Each arm runs in a fresh
+and half the layers' attn_v and ffn_down: 803 MB), or --file, any GGUF. Each arm runs in a fresh
 process, the arms interleaved --repeats times, medians reported:
 
     h2o <quantization>  load_model(file, quantization=...): seconds, peak RSS of the load (VmHWM),
