@@ -21,6 +21,7 @@ from h2o_chat.bench import (
     summarize,
 )
 from h2o_chat.bench.peers import llamacpp
+from h2o_chat.bench.random_gguf import TINY_K, write_random_gguf
 from tests.conftest import read_results
 from tests.live import save_tiny_chat
 
@@ -282,18 +283,25 @@ def test_bench_text_is_taken_after_the_subcommand(monkeypatch):
 
 
 @pytest.mark.slow
-def test_bench_user_gguf_each_arm_in_its_own_process(tmp_path):
-    """A tiny random Q4_0 file: int4 from its blocks and dequantized, each loaded in a fresh process
-    (peak RSS is the load's alone); llama.cpp beside them where its venv is here."""
-    argv = ["--out", str(tmp_path), "user-gguf", "--shape", "tiny", "--quick", "--new-tokens", "6"]
+@pytest.mark.parametrize("shape,block_type,weights", [
+    ("tiny", "Q4_0", "int4: GGUF Q4_0 as stored (15)"),
+    ("tiny-k", "Q4_K_M", "int4: GGUF Q4_K as stored (12), Q6_K quantized to int8 (3)")])
+def test_bench_user_gguf_each_arm_in_its_own_process(tmp_path, shape, block_type, weights):
+    """A tiny random Q4_0 file, and llama.cpp's Q4_K_M mix: int4 from its blocks and dequantized,
+    each loaded in a fresh process (peak RSS is the load's alone); llama.cpp beside them where
+    its venv is here."""
+    argv = ["--out", str(tmp_path), "user-gguf", "--shape", shape, "--block-type", block_type, "--quick", "--new-tokens", "6"]
+    if shape == "tiny-k":  # the command reuses a file that is there: seed 0's greedy reply is a lone UTF-8
+        # continuation byte, which never shows as text (no first-text time, so no decode speed)
+        write_random_gguf(tmp_path / f"random-{shape}-{block_type}.gguf", TINY_K, block_type, seed=1)
     if llamacpp.find_python() is not None:
         argv.append("--llamacpp")
     cli.main(argv)
     data = read_results(tmp_path, "user-gguf", plot=False)
     rows = {r["arm"]: r for r in data["rows"]}
-    assert rows["h2o auto"]["weights"] == "int4: GGUF Q4_0 as stored (15)" and rows["h2o none"]["weights"] in ("bf16", "fp32")
+    assert rows["h2o auto"]["weights"] == weights and rows["h2o none"]["weights"] in ("bf16", "fp32")
     assert rows["h2o none"]["rss_vs_none"] == "100%" and rows["h2o auto"]["peak_rss_MiB"] > 100
     assert all(r["decode_tok_s"] > 0 and r["new_tokens"] > 0 for r in rows.values())
-    assert (tmp_path / "random-tiny-Q4_0.gguf").is_file() and data["meta"]["file_MiB"] < 1
+    assert (tmp_path / f"random-{shape}-{block_type}.gguf").is_file() and data["meta"]["file_MiB"] < 2
     if "llama.cpp" in rows:
         assert rows["llama.cpp"]["new_tokens"] == 6 and rows["h2o auto"]["speed_vs_llamacpp"].endswith("x")

@@ -3,7 +3,9 @@ with is exactly what the GGUF file holds, and a packed linear computes x @ W.T.
 
 The repacking proofs run the kernel itself in float32 on an identity input: its output is then
 the weights it reads, bit for bit, so these compare the bytes the kernel sees (layout, nibble
-order, scales and zeros) with the gguf package's own dequantization."""
+order, scales and zeros) with the gguf package's own dequantization. K-quant blocks come from
+bench/kquants.py (the gguf package reads them but cannot write them); its writers are checked
+here against gguf's reader first."""
 
 import gguf
 import numpy as np
@@ -11,9 +13,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from h2o_chat.bench import kquants
 from h2o_chat.models import load as load_mod
 from h2o_chat.models import packed as packed_mod
-from h2o_chat.models.gguf import REPACK
+from h2o_chat.models.gguf import AFFINE, AS_HALVES, AS_STORED, REPEATS, repack
 from h2o_chat.models.load import ModelLoadError, resolve_quantization
 from h2o_chat.models.packed import (
     GROUP,
@@ -21,6 +24,7 @@ from h2o_chat.models.packed import (
     Int4Linear,
     Int8Linear,
     PackedEmbedding,
+    dequantize_int4,
     pack_int4_cpu,
     unpack_int4_cpu,
 )
@@ -47,23 +51,101 @@ def kernel_weights(codes, scale, zero, repeats=1):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, GROUP, sz.contiguous()).T[:out]
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
-@pytest.mark.parametrize("rows,cols", [(80, 96), (64, 256), (7, 32)])
+def blocks_of(kind, rows, cols, seed=1):
+    """Gaussian rows whose scale grows along the inputs (blocks of very different scales), as
+    `kind` blocks (gguf's quantizer, or kquants.py's for K-quants) and gguf's float32 values."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32) * np.linspace(
+        0.01, 3, cols, dtype=np.float32)
+    raw = kquants.quantize(values, kind)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols))
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6)])
+def test_our_k_quant_blocks_read_back_through_gguf(kind, bits):
+    """kquants.py's blocks, read by gguf's dequantize: every weight within a step or so of the
+    value written (a nibble or scale in the wrong place is off by the whole range), and the
+    error as small as the bits allow (Q4_1, Q5_1 and Q8_0's by gguf's own writer, for scale)."""
+    values = np.random.default_rng(9).standard_normal((64, 1024), dtype=np.float32) * 0.02
+    raw = kquants.quantize(values, kind)
+    assert raw.shape == (64, 1024 // 256 * gguf.GGML_QUANT_SIZES[Q[kind]][1])
+    back = gguf.quants.dequantize(raw, Q[kind]).reshape(values.shape)
+    reference = {4: "Q4_1", 5: "Q5_1", 6: "Q8_0"}[bits]
+    theirs = gguf.quants.dequantize(gguf.quants.quantize(values, Q[reference]), Q[reference]).reshape(values.shape)
+    error, their_error = (np.sqrt(((w - values) ** 2).mean()) for w in (back, theirs))
+    if bits < 6:
+        assert error < 1.05 * their_error  # the same codes per 32 as Q4_1 / Q5_1, 6-bit scales
+    else:
+        assert their_error < error < 0.5 * 2 ** -5 * np.abs(values).max()  # Q6_K: between 5 and 8 bits
+    step = (values.max() - values.min()) / 2**bits
+    assert np.abs(back - values).max() < step
+
+
+def test_k_quant_scales_are_ggmls_12_byte_packing():
+    """Q4_K's 6-bit scales and mins, written by kquants.py and read back by gguf's get_scale_min."""
+    sc = np.random.default_rng(10).integers(0, 64, (50, 8)).astype(np.uint8)
+    m = np.random.default_rng(11).integers(0, 64, (50, 8)).astype(np.uint8)
+    their_sc, their_m = gguf.quants.Q4_K.get_scale_min(kquants._pack_scales(sc, m))
+    assert np.array_equal(their_sc, sc) and np.array_equal(their_m, m)
+
+
+EXACT = [*AS_STORED, *AS_HALVES]
+
+
+@pytest.mark.parametrize("kind", EXACT)
+@pytest.mark.parametrize("rows,cols", [(80, 256), (64, 512), (7, 768), (80, 96), (7, 32)])
 def test_gguf_blocks_repack_exactly(kind, rows, cols):
-    """Q4_1 -> scale d, zero m + 8d; Q4_0 -> scale d, zero 0; Q8_0 -> two int4 halves (16d h, d l):
-    the kernel's weights equal gguf's dequantization bitwise, in float32."""
-    values = np.random.default_rng(1).standard_normal((rows, cols), dtype=np.float32) * np.linspace(0.01, 3, cols, dtype=np.float32)
-    raw = gguf.quants.quantize(values, Q[kind])
-    codes_of, repeats = REPACK[kind]
-    codes, scale, zero = codes_of(raw)
-    expected = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(rows, cols))
+    """Q4_0, Q4_1, Q4_K as int4 group 32 (scale s, zero b + 8s); Q8_0, Q5_0, Q5_1, Q5_K as two
+    int4 halves (16s h, s l + b): the codes, scales and zeros dequantize (float32) to gguf's
+    values bitwise, and so do the kernel's weights (packed by torch's own op)."""
+    if kind.endswith("_K") and cols % 256:
+        pytest.skip("K-quant rows are whole super-blocks of 256")
+    raw, expected = blocks_of(kind, rows, cols)
+    codes, scale, zero = repack(kind, raw)
+    repeats = REPEATS[kind]
+    assert codes.shape == (rows, cols * repeats) and scale.shape == zero.shape == (rows, cols * repeats // GROUP)
+    assert torch.equal(dequantize_int4(codes, scale, zero).view(rows, repeats, cols).sum(1), expected)
     assert torch.equal(kernel_weights(codes, scale, zero, repeats), expected)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quant_blocks_of_any_bytes_are_within_two_float32_steps(kind):
+    """Blocks no quantizer writes (random bytes, d and dmin up to 2^16 apart): b + 8s can round
+    in float32, so not every weight is gguf's bit for bit, but each is within 2 float32 ulps of
+    its group's largest term; blocks whose dmin is within 2^-2..2^6 of d are exact."""
+    rng = np.random.default_rng(12)
+    size = gguf.GGML_QUANT_SIZES[Q[kind]][1]
+    raw = rng.integers(0, 256, (128, 4 * size), dtype=np.uint8)
+    fields = (2.0 ** rng.uniform(-14, 2, (128, 4, 2)) * rng.uniform(1, 2, (128, 4, 2))).astype(np.float16)
+    raw.reshape(128, 4, size)[..., :4] = fields.view(np.uint8).reshape(128, 4, 4)  # d, dmin: finite, 2^-14..2^3
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, Q[kind]).reshape(128, -1))
+    codes, scale, zero = repack(kind, raw)
+    got = kernel_weights(codes, scale, zero, REPEATS[kind])
+    _, s, b = AFFINE[kind](raw)
+    largest = torch.from_numpy(np.maximum(32 * np.abs(s), np.abs(b))).repeat_interleave(GROUP, 1)
+    assert ((got - expected).abs() <= 2 * 2**-24 * largest).all()
+    ratio = fields[..., 1].astype(np.float32) / fields[..., 0].astype(np.float32)
+    near = torch.from_numpy((ratio >= 2**-2) & (ratio <= 2**6)).repeat_interleave(256, 1)
+    assert near.any() and (~near).any() and torch.equal(got[near], expected[near])
+    assert not torch.equal(got, expected)  # the test is about something: some far blocks do round
+
+
+@pytest.mark.parametrize("kind", EXACT)
+def test_a_repacked_linear_is_a_bf16_matmul_with_ggufs_weights(kind):
+    """The kernel itself (bf16 activations, scales and zeros), one token and two: x @ W.T with
+    gguf's float32 weights in a bf16 matmul, within test_a_packed_linear_is_x_times_its_weight's
+    tolerance (the kernels' bf16 rounding)."""
+    raw, weight = blocks_of(kind, 130, 512)
+    layer = Int4Linear.from_codes(*repack(kind, raw), 512, repeats=REPEATS[kind])
+    for rows in (1, 2):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(13)).bfloat16()
+        expected = F.linear(x, weight.bfloat16()).float()
+        torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
 def test_q4_1_zero_is_exact_in_float32():
     """zero = m + 8d holds exactly (no rounding) for every block of the embedded model's kind of data."""
     values = np.random.default_rng(2).standard_normal((256, 512), dtype=np.float32) * 0.05
-    _, scale, zero = REPACK["Q4_1"][0](gguf.quants.quantize(values, Q.Q4_1))
+    _, scale, zero = repack("Q4_1", gguf.quants.quantize(values, Q.Q4_1))
     m = zero.double() - 8 * scale.double()
     assert torch.equal(m.float().double(), m)  # m recovered exactly: m + 8d was not rounded
 
@@ -83,7 +165,7 @@ def test_a_packed_linear_is_x_times_its_weight(make, out, inp, dtype):
     else:
         if inp % GROUP:
             pytest.skip("Q8_0 rows are whole blocks of 32")
-        layer = Int4Linear.from_codes(*REPACK["Q8_0"][0](gguf.quants.quantize(weight.numpy(), Q.Q8_0)), inp, bias, repeats=2)
+        layer = Int4Linear.from_codes(*repack("Q8_0", gguf.quants.quantize(weight.numpy(), Q.Q8_0)), inp, bias, repeats=2)
     w = layer.dequantize(torch.float32)[:out]
     for shape in [(1, 1, inp), (2, 1, inp), (2, KERNEL_ROWS + 5, inp)]:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype)
@@ -107,7 +189,7 @@ def test_the_embedding_reads_rows_of_the_packed_table():
     ids = torch.tensor([[0, 31, 32, 63], [64, 127, 150, 199]])
     rows = PackedEmbedding(table, torch.bfloat16, tied=True)(ids)
     assert rows.shape == (2, 4, 96) and torch.equal(rows, table.dequantize(torch.bfloat16)[ids])
-    halves = Int4Linear.from_codes(*REPACK["Q8_0"][0](gguf.quants.quantize(np.random.default_rng(7).standard_normal(
+    halves = Int4Linear.from_codes(*repack("Q8_0", gguf.quants.quantize(np.random.default_rng(7).standard_normal(
         (100, 64), dtype=np.float32), Q.Q8_0)), 64, repeats=2)
     assert torch.equal(PackedEmbedding(halves, torch.float32, tied=True)(ids[:, :2]), halves.dequantize()[ids[:, :2]])
 

@@ -19,10 +19,14 @@
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
     story    a 36-turn role-play story through /v1 as SillyTavern sends it (default samplers),
              the app's cache against the full one: prompt reuse per turn, TTFT, degenerate replies
+<<<<<<< ours
     reopen   stories of 2,000 / 10,000 / 35,000 tokens reopened from their saved cache (fresh
              processes) against replayed; disk and write time per reply; Open WebUI's older branch
              resent through /v1, with saved caches and without
     user-gguf  a Llama-3.2-1B-shaped random Q4_0 GGUF loaded at its own width against
+=======
+    user-gguf  a Llama-3.2-1B-shaped random GGUF (Q4_0, Q4_K_M, ...) loaded at its own width against
+>>>>>>> theirs
              dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
 Each subcommand is the module of that name (prefill-speed: prefill_speed.py). Every figure comes
@@ -259,7 +263,8 @@ def main(argv=None):
     p = sub.add_parser("user-gguf", parents=[shared], help="a 1B-class GGUF at its own width vs dequantized vs llama.cpp")
     p.add_argument("--file", default=None, help="a GGUF file (default: write a random one into --out)")
     p.add_argument("--shape", default="llama-1b", choices=sorted(user_gguf.SHAPES), help="the random file's shape")
-    p.add_argument("--block-type", default="Q4_0", help="the random file's linear weights (Q4_0, Q4_1, Q8_0, Q5_0, F16)")
+    p.add_argument("--block-type", default="Q4_0", help="the random file's linear weights (Q4_0, Q4_1, Q8_0, Q5_0, "
+                   "Q5_1, Q4_K, Q5_K, Q6_K, F16) or llama.cpp's mix Q4_K_M / Q5_K_M")
     quantization_flag(p, many=True)
     p.set_defaults(quantization=["auto", "none"])
     p.add_argument("--new-tokens", type=int, default=64)

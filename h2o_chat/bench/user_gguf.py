@@ -1,10 +1,11 @@
 """`python -m h2o_chat.bench user-gguf`: a user's own 1B-class GGUF file, loaded at its own width
 against dequantized, and beside llama.cpp serving the same file.
 
-The file is a Llama-3.2-1B-shaped random-weight Q4_0 GGUF (16 layers, hidden 2048, 32 query and 8
-KV heads, MLP 8192, vocabulary 128,256, tied embeddings: 656 MB), written once by random_gguf.py
-(or --file, any GGUF). Each arm runs in a fresh process, the arms interleaved --repeats times,
-medians reported:
+The file is a Llama-3.2-1B-shaped random-weight GGUF (16 layers, hidden 2048, 32 query and 8
+KV heads, MLP 8192, vocabulary 128,256, tied embeddings), written once by random_gguf.py in
+--block-type: Q4_0 (656 MB), or Q4_K_M, llama.cpp's mix (Q4_K, and Q6_K for the token table
+and half the layers' attn_v and ffn_down: 803 MB), or --file, any GGUF. Each arm runs in a fresh
+process, the arms interleaved --repeats times, medians reported:
 
     h2o <quantization>  load_model(file, quantization=...): seconds, peak RSS of the load (VmHWM),
                         then one ChatSession reply of --new-tokens greedy tokens: decode tokens/s
@@ -22,10 +23,10 @@ from pathlib import Path
 
 from .common import write_results
 from .peers import llamacpp
-from .random_gguf import LLAMA_1B, TINY, write_random_gguf
+from .random_gguf import LLAMA_1B, TINY, TINY_K, write_random_gguf
 
 PROMPT = "Tell me about the history of lighthouses, and how their lights were kept burning through the night."
-SHAPES = {"llama-1b": LLAMA_1B, "tiny": TINY}
+SHAPES = {"llama-1b": LLAMA_1B, "tiny": TINY, "tiny-k": TINY_K}  # tiny-k: rows of 256, as K-quants need
 
 
 def measure(file, quantization, new_tokens, threads):

@@ -2,23 +2,40 @@
 
 transformers' GGUF loader always dequantizes, so the blocks are read here with the `gguf`
 package's GGUFReader (metadata) and plain file reads (tensor bytes: a memory map would count the
-whole file in the process's resident memory once read):
+whole file in the process's resident memory once read).
 
-    Q4_1  block of 32: d, m (fp16), 16 bytes of codes q in 0..15;  w = d * q + m
-          -> int4 group 32 as it is: scale = d, zero = m + 8d   ((q - 8) * d + m + 8d = d * q + m)
-    Q4_0  block of 32: d (fp16), 16 bytes of codes;  w = d * (q - 8)  -> scale = d, zero = 0
-    Q8_0  block of 32: d (fp16), 32 int8 codes q;  w = d * q. The int8 kernel has one scale per
-          row, not per block, so it cannot hold Q8_0 exactly. Split q = 16 h + l (h = q >> 4 in
-          -8..7, l = q & 15): w = (16d) h + d l, two int4 group-32 weights (codes h + 8, scale 16d,
-          zero 0; codes l, scale d, zero 8d), side by side along the inputs: Int4Linear with
-          repeats=2 reads them with one kernel call on [x, x]. Exact, 9 bits a weight.
+Each block type with an exact path is read as integer codes c and, per group of 32 inputs, a
+step s and offset b with w = s * c + b (the `affine_*` functions, gguf's own arithmetic):
+
+    Q4_0  block of 32: d (fp16), 4-bit q;  w = d (q - 8)          c = q, s = d, b = -8d
+    Q4_1  block of 32: d, m (fp16), 4-bit q;  w = d q + m         c = q, s = d, b = m
+    Q4_K  super-block of 256: d, dmin (fp16), 8 sub-blocks of 32 with 6-bit sc, m, 4-bit q;
+          w = d sc q - dmin m                                      c = q, s = d sc, b = -dmin m
+    Q5_0, Q5_1, Q5_K  as Q4_0 (c = q - 16), Q4_1, Q4_K with 5-bit q (0..31)
+    Q8_0  block of 32: d (fp16), int8 q;  w = d q                  c = q, s = d, b = 0
+
+AS_STORED (4-bit c) is the int4 kernel's group-32 layout, w = (code - 8) scale + zero: codes c,
+scale s, zero b + 8s. AS_HALVES (5 to 8-bit c): the int8 kernel has one scale per row, not per
+block, so it cannot hold them exactly; c = 16 h + l (h = c >> 4 in -8..7, l = c & 15) makes
+w = (16s) h + (s l + b), two int4 group-32 weights (codes h + 8, scale 16s, zero 0; codes l,
+scale s, zero b + 8s) side by side along the inputs: Int4Linear with repeats=2 reads them with
+one kernel call on [x, x] (10 bits a weight with the scales).
+
+    Q6_K  sub-blocks of 16 (w = d sc (q - 32), int8 sc): no int4 group of 32 holds two scales, and
+          one int8 scale per row cannot hold them either: quantized again to int8 per row (the
+          PER_ROW kinds, 8 bits a weight) from the gguf package's values
     F32, F16, BF16  float tensors (norms, biases; a float linear stays float under "auto")
-    anything else (K-quants, Q5_x, IQ*)  dequantized by the gguf package and quantized again to
-          int4 group 32; one log line says how many and which
+    anything else (Q2_K, Q3_K, IQ*, ...)  dequantized by the gguf package and quantized again to
+          int4 group 32
 
-In fp32 all three repackings dequantize to exactly the gguf package's own values (every product
-is exact: a fp16 scale times a 4-bit code; tests/test_packed.py). The kernels keep scales in
-bf16, which rounds them as a bf16 model rounds its weights.
+One log line names what was quantized again. In float32 the kernel's weights are the gguf
+package's own values bit for bit (tests/test_packed.py): s c and 8s are exact (an fp16 times a
+small integer), and so are b + 8s and s l + b, the one sum each path adds, for every block of
+Q4_0, Q5_0 and Q8_0 (b = 0 or -8d) and for every block a quantizer writes (gguf's, kquants.py's:
+the offset is about -8 steps); sufficient is an offset scale (m, K-quants' dmin) within 2^-2..2^6
+of the step scale d. A block far outside that (random bytes) is within 2 float32 ulps of its
+group's largest weight. The kernels keep scales and zeros in bf16, which rounds them as a bf16
+model rounds its weights.
 
 LLaMA GGUFs store q and k rows permuted for llama.cpp's rotary layout; transformers undoes it
 when it dequantizes (LlamaTensorProcessor), and the same row permutation is undone here on the
@@ -60,7 +77,10 @@ def _gguf():
     return gguf
 
 
-EXACT_INT4 = ("Q4_0", "Q4_1", "Q8_0")  # block types with an exact int4 path
+AS_STORED = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit codes with a scale and zero per 32: the int4 kernel's layout
+AS_HALVES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # 5- to 8-bit codes per 32: two exact int4 halves
+EXACT = AS_STORED + AS_HALVES
+PER_ROW = ("Q6_K",)  # sub-blocks of 16, which no int4 group holds: int8 per row from the file's values
 FLOATS = ("F32", "F16", "BF16")
 
 
@@ -71,17 +91,19 @@ class GGUFError(ValueError):
 def requantizable_kinds():
     """Block types read by dequantizing (the gguf package's numpy code) and quantizing again."""
     gguf = _gguf()
-    return sorted(t.name for t in gguf.quants._type_traits if t.name not in EXACT_INT4 + FLOATS)
+    return sorted(t.name for t in gguf.quants._type_traits if t.name not in EXACT + FLOATS)
 
 
 def check_readable(weights):
     """GGUFError for the first tensor whose block type has no path here."""
     others = requantizable_kinds()
     for info in weights.tensors.values():
-        if info.kind not in EXACT_INT4 + FLOATS + tuple(others):
+        if info.kind not in EXACT + FLOATS + tuple(others):
+            again = ", ".join(k for k in others if k not in PER_ROW)
             raise GGUFError(f"{info.name} is stored as {info.kind}, which h2o-chat cannot read; it reads "
-                            f"{', '.join(EXACT_INT4)} at their own width, {', '.join(FLOATS)} as floats, and "
-                            f"quantizes {', '.join(others)} again to int4")
+                            f"{', '.join(AS_STORED)} as stored, {', '.join(AS_HALVES)} as two exact int4 halves, "
+                            f"{', '.join(FLOATS)} as floats, and quantizes {', '.join(PER_ROW)} again to int8 "
+                            f"per row and {again} to int4")
         if info.rows > 1 and info.cols % GROUP:
             raise GGUFError(f"{info.name}: {info.cols} inputs a row, not a multiple of {GROUP}")
 
@@ -183,7 +205,9 @@ def read_header(path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Blocks -> int4 codes, scales and zeros (numpy in, torch out)
+# Blocks -> integer codes c with a group-32 affine map w = s * c + b, then the int4 kernel's
+# codes, scales and zeros (numpy in, torch out). s, b: float32 [rows, cols / 32], computed as the
+# gguf package computes its weights (d * sc is exact in float32: an fp16 times a 6-bit integer).
 
 
 def _blocks(raw, block_bytes):
@@ -201,37 +225,116 @@ def _nibbles(quads):
     return np.concatenate((quads & 15, quads >> 4), axis=-1)
 
 
-def q4_0_codes(raw):
-    """Q4_0 rows [rows, blocks * 18] -> codes uint8 [rows, cols], scale, zero float32 [rows, blocks]."""
+def _fifth_bits(qh):
+    """Q5_0/Q5_1's 4 bytes a block (a little-endian uint32) -> bit i of element i, [rows, blocks, 32]."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.reshape(*qh.shape[:-1], 32)
+
+
+def _rows(values, rows):
+    return values.reshape(rows, -1)
+
+
+def affine_q4_0(raw):
+    """Q4_0, block of 32: d (fp16), 16 bytes of codes q in 0..15; w = d (q - 8): c = q, s = d, b = -8d."""
     b = _blocks(raw, 18)
     d = _fp16(b, 0)
-    codes = _nibbles(b[..., 2:]).reshape(raw.shape[0], -1)
-    return torch.from_numpy(codes), torch.from_numpy(d), torch.zeros_like(torch.from_numpy(d))
+    return _rows(_nibbles(b[..., 2:]), raw.shape[0]), d, -8 * d
 
 
-def q4_1_codes(raw):
-    """Q4_1 rows [rows, blocks * 20] -> codes, scale = d, zero = m + 8d (exact in float32: m and
-    8d are fp16 values of nearby size, m about -8d)."""
+def affine_q4_1(raw):
+    """Q4_1, block of 32: d, m (fp16), 16 bytes of codes q; w = d q + m."""
     b = _blocks(raw, 20)
-    d, m = _fp16(b, 0), _fp16(b, 2)
-    codes = _nibbles(b[..., 4:]).reshape(raw.shape[0], -1)
-    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m + 8 * d)
+    return _rows(_nibbles(b[..., 4:]), raw.shape[0]), _fp16(b, 0), _fp16(b, 2)
 
 
-def q8_0_halves(raw):
-    """Q8_0 rows [rows, blocks * 34] -> the two 4-bit halves side by side: codes uint8
-    [rows, 2 cols] (h + 8, then l), scale and zero [rows, 2 blocks] (16d, 0, then d, 8d)."""
+def affine_q8_0(raw):
+    """Q8_0, block of 32: d (fp16), 32 int8 codes q; w = d q."""
     b = _blocks(raw, 34)
     d = _fp16(b, 0)
-    q = b[..., 2:].view(np.int8).reshape(raw.shape[0], -1)
-    high, low = (q >> 4) + 8, q & 15  # arithmetic shift: floor(q / 16)
+    return _rows(b[..., 2:].view(np.int8), raw.shape[0]), d, np.zeros_like(d)
+
+
+def affine_q5_0(raw):
+    """Q5_0, block of 32: d (fp16), the fifth bits (4 bytes), 16 bytes of low nibbles; q in
+    0..31, w = d (q - 16): c = q - 16 in -16..15, s = d, b = 0."""
+    b = _blocks(raw, 22)
+    q = _nibbles(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4)
+    d = _fp16(b, 0)
+    return _rows(q.astype(np.int16) - 16, raw.shape[0]), d, np.zeros_like(d)
+
+
+def affine_q5_1(raw):
+    """Q5_1, block of 32: d, m (fp16), the fifth bits, 16 bytes of low nibbles; w = d q + m."""
+    b = _blocks(raw, 24)
+    q = _nibbles(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4)
+    return _rows(q, raw.shape[0]), _fp16(b, 0), _fp16(b, 2)
+
+
+def _k_scales(blocks):
+    """A Q4_K/Q5_K super-block's d, dmin (fp16) and 12 bytes of 6-bit scales sc and mins m ->
+    the 8 sub-blocks' s = d sc and b = -dmin m, float32 [rows, blocks * 8] (gguf's get_scale_min)."""
+    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
+    packed = blocks[..., 4:16]
+    low, mins, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate((low & 63, (high & 15) | ((low >> 2) & 48)), axis=-1).astype(np.float32)
+    m = np.concatenate((mins & 63, (high >> 4) | ((mins >> 2) & 48)), axis=-1).astype(np.float32)
+    rows = blocks.shape[0]
+    return _rows(d[..., None] * sc, rows), _rows(-(dmin[..., None] * m), rows)
+
+
+def _k_nibbles(qs):
+    """128 bytes of a K super-block's 4-bit codes -> [rows, blocks, 8, 32]: byte 32c + i holds
+    sub-block 2c's element i (low nibble) and sub-block 2c + 1's (high)."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate((chunks & 15, chunks >> 4), axis=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def affine_q4_k(raw):
+    """Q4_K, super-block of 256 (144 bytes): 8 sub-blocks of 32, each its own 6-bit scale and min:
+    w = d sc q - dmin m, q in 0..15: c = q, s = d sc, b = -dmin m, the int4 kernel's group 32."""
+    b = _blocks(raw, 144)
+    s, offset = _k_scales(b)
+    return _rows(_k_nibbles(b[..., 16:]), raw.shape[0]), s, offset
+
+
+def affine_q5_k(raw):
+    """Q5_K, super-block of 256 (176 bytes): Q4_K's scales, then 32 bytes of fifth bits (byte i's
+    bit j: sub-block j's element i), then 128 bytes of low nibbles; q in 0..31."""
+    b = _blocks(raw, 176)
+    s, offset = _k_scales(b)
+    high = (b[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [rows, blocks, 32 elements, 8 sub-blocks]
+    q = _k_nibbles(b[..., 48:]) | (high.swapaxes(-1, -2) << 4)
+    return _rows(q, raw.shape[0]), s, offset
+
+
+def one_int4(c, s, b):
+    """c in 0..15 -> the int4 kernel's codes, scale s, zero b + 8s: (c - 8) s + b + 8s = s c + b."""
+    return torch.from_numpy(c.astype(np.uint8)), torch.from_numpy(s), torch.from_numpy(b + 8 * s)
+
+
+def two_halves(c, s, b):
+    """c = 16 h + l (h = c >> 4 in -8..7, l = c & 15) -> two int4 weights side by side along the
+    inputs, codes uint8 [rows, 2 cols], scale and zero [rows, 2 groups]: the high half codes h + 8,
+    scale 16s, zero 0 (16 s h); the low half codes l, scale s, zero b + 8s (s l + b)."""
+    high, low = (c >> 4) + 8, c & 15  # arithmetic shift: floor(c / 16)
     codes = np.concatenate((high, low), axis=1).astype(np.uint8)
-    scale = np.concatenate((16 * d, d), axis=1)
-    zero = np.concatenate((np.zeros_like(d), 8 * d), axis=1)
+    scale = np.concatenate((16 * s, s), axis=1)
+    zero = np.concatenate((np.zeros_like(s), b + 8 * s), axis=1)
     return torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(zero)
 
 
-REPACK = {"Q4_0": (q4_0_codes, 1), "Q4_1": (q4_1_codes, 1), "Q8_0": (q8_0_halves, 2)}  # (codes of, repeats)
+AFFINE = {"Q4_0": affine_q4_0, "Q4_1": affine_q4_1, "Q4_K": affine_q4_k,
+          "Q8_0": affine_q8_0, "Q5_0": affine_q5_0, "Q5_1": affine_q5_1, "Q5_K": affine_q5_k}
+REPEATS = {kind: 1 if kind in AS_STORED else 2 for kind in AFFINE}  # int4 weights a file weight becomes
+
+
+def repack(kind, raw):
+    """Rows of `kind` blocks, uint8 [rows, row bytes] -> the int4 kernel's (codes uint8 [rows,
+    cols * repeats], scale, zero float32 [rows, cols * repeats / 32]): AS_STORED kinds one int4
+    weight, AS_HALVES kinds two (REPEATS)."""
+    c, s, b = AFFINE[kind](raw)
+    return one_int4(c, s, b) if REPEATS[kind] == 1 else two_halves(c, s, b)
 
 
 def llama_row_order(rows, heads):
@@ -255,7 +358,7 @@ class _Loader:
         if arch is None:
             raise GGUFError(f"GGUF architecture {weights.architecture!r} is not one the gguf package knows")
         self.names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-        self.requantized = Counter()
+        self.requantized = Counter()  # (block type, to what width) under "auto", for the log line
         self.made = Counter()  # (block type, what became of it) per linear, for `label`
 
     def gguf_name(self, hf_name):
@@ -289,15 +392,16 @@ class _Loader:
         order = self.row_order(hf_name, info)
         kind, mode = info.kind, self.quantization
         if hf_name == "lm_head.weight":
-            mode = "auto" if kind in EXACT_INT4 + FLOATS else "int8"  # see load_gguf_model's docstring
+            mode = "auto" if kind in EXACT + FLOATS else "int8"  # see load_gguf_model's docstring
+        if mode == "auto" and kind in PER_ROW:
+            mode = "int8"
         if mode == "int8":
             self.made[kind, "quantized to int8"] += 1
-            if self.quantization == "auto":  # the lm_head (its rule, above)
-                self.requantized[kind] += 1
-            codes, scales = zip(*(quantize_int8(rows) for rows in self._float_chunks(info, order)))
+            if self.quantization == "auto":  # PER_ROW kinds, and the lm_head (its rule, above)
+                self.requantized[kind, "int8 per row"] += 1
+            codes, scales = self._int8_rows(info, order)
             bias = None if bias is None else bias.to(self.device, COMPUTE_DTYPE)
-            return Int8Linear(torch.cat(codes).to(self.device), torch.cat(scales).to(self.device, COMPUTE_DTYPE), bias,
-                              info.cols)
+            return Int8Linear(codes.to(self.device), scales.to(self.device, COMPUTE_DTYPE), bias, info.cols)
         if mode == "auto" and kind in FLOATS:
             self.made[kind, "kept"] += 1
             layer = nn.Linear(info.cols, info.rows, bias=bias is not None, device="meta")
@@ -305,15 +409,14 @@ class _Loader:
             if bias is not None:
                 layer.bias = nn.Parameter(bias.to(self.device, self.dtype), requires_grad=False)
             return layer
-        if kind in ("Q4_0", "Q4_1") or (mode == "auto" and kind == "Q8_0"):
-            self.made[kind, "as stored" if kind != "Q8_0" else "as two exact int4 halves"] += 1
-            codes_of, repeats = REPACK[kind]
-            chunks = (codes_of(raw) for raw in self._raw_chunks(info, order))
-            return Int4Linear.from_chunks(chunks, info.rows, info.cols * repeats, info.cols, bias, repeats,
+        if kind in AS_STORED or (mode == "auto" and kind in AS_HALVES):
+            self.made[kind, "as stored" if kind in AS_STORED else "as two exact int4 halves"] += 1
+            chunks = (repack(kind, raw) for raw in self._raw_chunks(info, order))
+            return Int4Linear.from_chunks(chunks, info.rows, info.cols * REPEATS[kind], info.cols, bias, REPEATS[kind],
                                           device=self.device)
         self.made[kind, "quantized to int4"] += 1
         if self.quantization == "auto":
-            self.requantized[kind] += 1
+            self.requantized[kind, f"int4 group {GROUP}"] += 1
         chunks = (quantize_int4(rows) for rows in self._float_chunks(info, order))
         return Int4Linear.from_chunks(chunks, info.rows, info.cols, info.cols, bias, device=self.device)
 
@@ -338,6 +441,16 @@ class _Loader:
             return
         for start in range(0, info.rows, PACK_ROWS):
             yield self.weights.dequantized(info, start, min(start + PACK_ROWS, info.rows))
+
+    def _int8_rows(self, info, order):
+        """The tensor quantized to int8 per row (`quantize_int8`) a chunk at a time, into codes int8
+        [rows, cols] and scales float32 [rows] made once (no second copy of a large table)."""
+        codes, scales, start = torch.empty(info.rows, info.cols, dtype=torch.int8), torch.empty(info.rows), 0
+        for rows in self._float_chunks(info, order):
+            stop = start + rows.shape[0]
+            codes[start:stop], scales[start:stop] = quantize_int8(rows)
+            start = stop
+        return codes, scales
 
     def _float_rows(self, info, dtype):
         """The whole tensor in `dtype` (a chunk at a time in float32)."""
@@ -389,9 +502,9 @@ class _Loader:
 def load_gguf_model(path, config, dtype, device, quantization="auto"):
     """A transformers model of `config` whose weights are the GGUF file's at their own width
     (module docstring). quantization: "auto" (float tensors stay float), "int4" (every decoder
-    linear int4: Q4_x as they are, the rest quantized again) or "int8" (every decoder linear int8,
-    per row). The lm_head keeps its exact path where it has one (Q4_x as stored, Q8_0 as halves,
-    a float one float) and is otherwise quantized to int8 per row, never to int4 group 32: it is
+    linear int4: AS_STORED kinds as they are, the rest quantized again) or "int8" (every decoder
+    linear int8, per row). The lm_head keeps its exact path where it has one (as stored, as
+    halves, a float one float) and is otherwise quantized to int8 per row, never to int4 group 32: it is
     the layer whose rounding costs most (the embedded model's Q8_0 lm_head at int4: +4% perplexity,
     at per-row int8: +0.25%)."""
     from transformers import AutoModelForCausalLM
@@ -404,7 +517,6 @@ def load_gguf_model(path, config, dtype, device, quantization="auto"):
     model = loader.fill(model)
     model.h2o_weights = loader.label()
     if loader.requantized:
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(loader.requantized.items()))
-        log.warning("h2o-chat: %s: %s weights have no exact int4 path; quantized again to int4 group %d "
-                    "(the lm_head among them to int8 per row)", Path(path).name, kinds, GROUP)
+        parts = ", ".join(f"{n} {kind} to {width}" for (kind, width), n in loader.requantized.most_common())
+        log.warning("h2o-chat: %s: weights with no exact int4 path, quantized again: %s", Path(path).name, parts)
     return model

@@ -87,9 +87,9 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | torch.dtyp
     device : str or torch.device, default "auto"
         "auto": CUDA when available, else CPU; or anything torch.device accepts.
     quantization : {"auto", "none", "int4", "int8", "4bit", "8bit"}, default "auto"
-        "auto": a GGUF's quantized blocks stay quantized (Q4_0/Q4_1 as int4 group 32 from their
-        own blocks, Q8_0 as two exact int4 halves, other block types quantized again to int4,
-        with one log line), float checkpoints stay float. "none" (or None): every weight in
+        "auto": a GGUF's quantized blocks stay quantized (Q4_0/Q4_1/Q4_K as int4 group 32 from
+        their own blocks, Q5_0/Q5_1/Q5_K/Q8_0 as two exact int4 halves, Q6_K quantized again to
+        int8 per row, other block types to int4, with one log line), float checkpoints stay float. "none" (or None): every weight in
         `dtype`, a GGUF dequantized. "int4", "int8": quantize every linear weight at load
         (torch's weight-only kernels, CPU or CUDA). "4bit", "8bit": bitsandbytes (CUDA only).
     device_map : {None, "auto"}, default None
