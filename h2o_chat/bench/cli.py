@@ -19,14 +19,10 @@
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
     story    a 36-turn role-play story through /v1 as SillyTavern sends it (default samplers),
              the app's cache against the full one: prompt reuse per turn, TTFT, degenerate replies
-<<<<<<< ours
     reopen   stories of 2,000 / 10,000 / 35,000 tokens reopened from their saved cache (fresh
              processes) against replayed; disk and write time per reply; Open WebUI's older branch
              resent through /v1, with saved caches and without
-    user-gguf  a Llama-3.2-1B-shaped random Q4_0 GGUF loaded at its own width against
-=======
     user-gguf  a Llama-3.2-1B-shaped random GGUF (Q4_0, Q4_K_M, ...) loaded at its own width against
->>>>>>> theirs
              dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
 Each subcommand is the module of that name (prefill-speed: prefill_speed.py). Every figure comes
