@@ -330,6 +330,17 @@ def test_without_max_tokens_a_reply_runs_past_256_to_the_machines_bound(server, 
         assert saved["sampling"]["max_new_tokens"] == Sampling().max_new_tokens
 
 
+def test_without_max_tokens_a_reply_stops_at_the_models_trained_context(server, monkeypatch):
+    """With memory to spare, the bound is the model's trained context (the tiny model's 512
+    positions): one reply longer than any text it was trained on is a loop, not a reply."""
+    monkeypatch.setattr(Limits, "max_new_tokens", lambda self, cache: 10**9)
+    trained = make_tiny_chat()[0].config.max_position_embeddings
+    body = {"messages": [{"role": "user", "content": "Never stop."}], "ignore_eos": True, "temperature": 0}
+    reply = httpx.post(f"{server['url']}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=DEADLINE_S).json()
+    assert reply["usage"]["completion_tokens"] == trained and reply["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_reply_without_max_tokens_that_the_model_ends_says_stop(client):
     """A small bias towards <|im_end|> makes the random model end this reply after a few tokens."""
     messages = [{"role": "user", "content": "Hello, who are you?"}]

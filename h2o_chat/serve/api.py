@@ -66,7 +66,7 @@ NO_TEMPLATE_TOOLS = "this model's chat template does not show tools to the model
 # Of chat.limits' max new tokens, what a reply without max_tokens may run to: the session checks
 # the setting against the memory free when it takes it, and memory moves meanwhile
 MACHINE_SHARE = 0.9
-UNKNOWN_BOUND = 2**31 - 1  # where the memory free cannot be told (Limits: nothing is bounded)
+UNKNOWN_BOUND = 2**31 - 1  # where the memory free cannot be told (Limits: nothing is bounded but the context)
 log = logging.getLogger("h2o_chat")
 
 
@@ -543,10 +543,14 @@ def reply_in_thread(session, job, emit, index, started, stop_ids, known_calls):
 
 
 def machine_bound(session):
-    """The most tokens a reply without max_tokens may run to here: MACHINE_SHARE of what the
-    memory free now holds (chat.limits), for this session's cache."""
+    """The most tokens a reply without max_tokens may run to here: the model's trained context
+    (one reply longer than any text the model was trained on is a loop, not a reply: llama.cpp's
+    server stops at its context too; seen with Open WebUI, whose requests give no max_tokens: the
+    135M model wrote 7,000 words of one regenerated reply), and MACHINE_SHARE of what the memory
+    free now holds (chat.limits), for this session's cache."""
+    trained = session.model.config.get_text_config(decoder=True).max_position_embeddings
     most = Limits.of(session.model).max_new_tokens(session.cache_config)
-    return UNKNOWN_BOUND if most is None else max(1, int(most * MACHINE_SHARE))
+    return min(trained, UNKNOWN_BOUND if most is None else max(1, int(most * MACHINE_SHARE)))
 
 
 def reply(session, job, emit, index, started, stop_ids=(), known_calls=None):
