@@ -123,7 +123,7 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     bad = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
     assert left_as_typed(bad["policy"]) and left_as_typed(bad["budget"])  # ... and what was typed stays typed
-    assert warnings_of(job) == ["H2OCache: budget must be positive, got 0"]  # said once
+    assert warnings_of(job) == ["budget must be positive, got 0"]  # said once
     job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", api_name="/apply_cache")
     huge = shown(job.result(timeout=CALL_DEADLINE_S))  # issue 25, 2: accepted, then "can't allocate ..." for good
     (warning,) = warnings_of(job)
