@@ -45,10 +45,10 @@ from transformers import GPT2Config
 
 import app as app_main
 from h2o_chat import ChatSession, Conversation, Message
+from h2o_chat.cache.config import CacheConfig, SettingError, in_words
 from h2o_chat.chat import limits as limits_mod
 from h2o_chat.chat import store
 from h2o_chat.chat import timeline as timeline_mod
-from h2o_chat.cache.config import CacheConfig, SettingError, in_words
 from h2o_chat.chat.conversation import Sampling, cache_config, sampling
 from h2o_chat.chat.session import MAX_MESSAGE_CHARS, check_system_prompt, check_text
 from h2o_chat.chat.template import render
