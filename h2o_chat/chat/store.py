@@ -4,6 +4,7 @@
     write(data_dir, conversation)   -> the new revision       StaleRevisionError if another
                                                                writer got there first
     summaries(data_dir) -> [Summary], newest first             (id, title, updated, n_messages)
+    delete(data_dir, conversation_id)                          its file and lock file removed
     list_ids(data_dir), load(data_dir, id) -> record dict, save(data_dir, id, record): the
     file level underneath (save has no revision check).
 
@@ -78,6 +79,15 @@ def write(data_dir, conversation):
         # revision this one wrote, or it takes itself for another writer and forks
         conversation.revision, conversation.updated = on_disk + 1, updated
     return conversation.revision
+
+
+def delete(data_dir, conversation_id):
+    """Remove a saved conversation: `<id>.json`, then its `.<id>.lock`. The file goes under the
+    lock, so no write of it is half done; a conversation that is not there is no error."""
+    path = session_path(data_dir, conversation_id)
+    with _locked(path):
+        path.unlink(missing_ok=True)
+    (path.parent / f".{path.stem}.lock").unlink(missing_ok=True)
 
 
 def summaries(data_dir):
