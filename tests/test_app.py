@@ -123,7 +123,10 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     bad = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
     assert left_as_typed(bad["policy"]) and left_as_typed(bad["budget"])  # ... and what was typed stays typed
-    assert warnings_of(job) == ["budget must be positive, got 0"]  # said once
+    assert warnings_of(job) == ["Cache not applied: budget must be positive, got 0"]  # said once, in words
+    job = client.submit("You are terse.", 0.7, 0.9, -5, api_name="/sampling")  # issue 34: after a refused budget
+    job.result(timeout=CALL_DEADLINE_S)
+    assert warnings_of(job) == ["Generation not applied: max new tokens must be at least 1, got -5"]
     job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", api_name="/apply_cache")
     huge = shown(job.result(timeout=CALL_DEADLINE_S))  # issue 25, 2: accepted, then "can't allocate ..." for good
     (warning,) = warnings_of(job)

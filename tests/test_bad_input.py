@@ -697,10 +697,17 @@ def test_a_busy_port_is_one_line_naming_the_port_flag(tmp_path, monkeypatch):
 
 
 class TabShows:
-    """Stands in for ui.Tab: a callback's outputs are the session it leaves the tab on."""
+    """Stands in for ui.Tab: a callback's outputs are the session it leaves the tab on; the tab
+    acts on the session it holds, and its drawing is never older than it."""
 
     def streamed(self, session, state, live=None, panel=True, saved=True):
         return session
+
+    def held(self, session, state, progress=None):
+        return session
+
+    def stale(self, session, state):
+        return False
 
 
 APP_CACHE_FIELDS = [  # (budget, recent window, sinks) as the page's number fields send them

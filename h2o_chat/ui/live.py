@@ -10,6 +10,7 @@ load, no replay).
     .detach(tab)                                         the tab is gone (closed, reloaded)
     .forget(conversation_id)                             deleted: stopped, never saved again, let go
     .sweep()                                             drop what is idle now (a timer does it too)
+    .get(conversation_id) -> session or None, .tabs(conversation_id) -> how many tabs show it
 
 A tab is a Gradio session hash; a tab that no load ran for (a gradio_client script) is None and
 shows nothing. A session that no tab shows and that nobody touched for `idle_s` (a tab leaving
@@ -42,6 +43,11 @@ class LiveSessions:
     def get(self, conversation_id):
         with self._lock:
             return self._sessions.get(conversation_id)
+
+    def tabs(self, conversation_id):
+        """How many tabs show the conversation now."""
+        with self._lock:
+            return sum(1 for shown in self._tabs.values() if shown == conversation_id)
 
     def attach(self, tab, conversation_id, open_it):
         """The session of `conversation_id` for `tab`: the one held (at once), else `open_it()`

@@ -132,7 +132,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
     """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
     ChatSession arguments (sampling, system prompt); watchable: () -> [(session, client)], the
     conversations the /v1 API holds live (SessionPool.watchable), listed and watchable in the page.
-    The returned Blocks carries the App as `demo.app` (its live sessions: `demo.app.live`)."""
+    The returned Blocks carries the App as `demo.h2o_app` (its live sessions: `.live`)."""
     app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher,
               watchable)
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
@@ -164,7 +164,7 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
             app.live.detach(request.session_hash)
 
         demo.unload(tab_closed)
-    demo.app = app
+    demo.h2o_app = app  # not `app`: launch() sets that to its FastAPI app
     return demo
 
 
@@ -260,7 +260,7 @@ def wire_conversation(app, tab, session, conversation_id, state, watching):
             with replaying(current, progress):
                 current.configure(cache=ui_settings.cache_settings(dict(zip(s.cache, typed))))
         except ValueError as e:
-            return refused(e, current, state)
+            return refused(f"Cache not applied: {e}", current, state)
         gr.Info(ui_settings.applied_cache(current))
         return tab.everything(current, state)
 
@@ -270,12 +270,13 @@ def wire_conversation(app, tab, session, conversation_id, state, watching):
             ui_chat.caught_up(current)
             current.configure(**ui_settings.sampling_settings(current, system_prompt, dict(zip(s.sampling, typed))))
         except ValueError as e:
-            return refused(e, current, state)
+            return refused(f"Generation not applied: {e}", current, state)
         gr.Info(ui_settings.applied_sampling(current))
         return tab.everything(current, state)
 
     def refused(error, current, state):
-        """An Apply refused: the sentence, and the fields left as typed (so nothing typed is lost)."""
+        """An Apply refused: the sentence, saying which Apply (a toast beside an earlier one is
+        plainly the new answer), and the fields left as typed (so nothing typed is lost)."""
         warn(error)
         return tab.streamed(current, state)
 
@@ -319,9 +320,9 @@ def wire_delete(app, tab, session, conversation_id, state):
         wanted = chosen or (current.id if current is not None and not isinstance(current, Watched) else None)
         if not wanted or not (app.is_saved(wanted) or app.live.get(wanted) is not None):
             warn("Nothing to delete: pick a saved conversation in the list (or open one) first.")
-            return {s.confirm_row: gr.Row(visible=False), target: None}
+            return {s.confirm_row: gr.Column(visible=False), target: None}
         title = next((label for label, i in app.saved() if i == wanted), wanted)
-        return {s.confirm_row: gr.Row(visible=True), target: wanted,
+        return {s.confirm_row: gr.Column(visible=True), target: wanted,
                 s.confirm_text: f"Delete **{title}** for good? Its saved file goes; this cannot be undone."}
 
     def delete(current, state, wanted):
@@ -329,9 +330,9 @@ def wire_delete(app, tab, session, conversation_id, state):
             app.delete(wanted)
         except ValueError as e:
             warn(e)
-            return {**tab.streamed(current, state), s.confirm_row: gr.Row(visible=False)}
+            return {**tab.streamed(current, state), s.confirm_row: gr.Column(visible=False)}
         gr.Info("Deleted.")
-        hidden = {s.confirm_row: gr.Row(visible=False), s.saved: gr.Dropdown(value=None)}
+        hidden = {s.confirm_row: gr.Column(visible=False), s.saved: gr.Dropdown(value=None)}
         if current is None or getattr(current, "id", None) == wanted:  # the tab goes to a new chat
             fresh = app.attach(state.get("tab"), None)
             return {**tab.everything(fresh, state), conversation_id: None, **hidden,
@@ -340,7 +341,7 @@ def wire_delete(app, tab, session, conversation_id, state):
 
     s.delete_btn.click(ask, inputs=[session, s.saved], outputs=[s.confirm_row, s.confirm_text, target], queue=False,
                        api_visibility="private")
-    s.cancel_btn.click(lambda: gr.Row(visible=False), outputs=s.confirm_row, queue=False, api_visibility="private")
+    s.cancel_btn.click(lambda: gr.Column(visible=False), outputs=s.confirm_row, queue=False, api_visibility="private")
     return s.confirm_btn.click(delete, inputs=[session, state, target],
                                outputs=[*tab.everything_outputs(), s.confirm_row], api_name="delete")
 

@@ -34,7 +34,7 @@ class Settings:
     saved: gr.Dropdown
     restore_btn: gr.Button
     delete_btn: gr.Button
-    confirm_row: gr.Row  # Delete's second step: what it would delete, and Delete / Cancel
+    confirm_row: gr.Column  # Delete's second step: what it would delete, and Delete / Cancel
     confirm_text: gr.Markdown
     confirm_btn: gr.Button
     cancel_btn: gr.Button
@@ -83,11 +83,11 @@ def build():
                                 elem_id="saved", scale=3)
             restore_btn = gr.Button("Restore", elem_id="restore", scale=1, min_width=90)
             delete_btn = gr.Button("Delete", elem_id="delete", scale=1, min_width=90)
-        with gr.Row(visible=False, elem_id="confirm-delete") as confirm_row:
+        with gr.Column(visible=False, elem_id="confirm-delete") as confirm_row:
             confirm_text = gr.Markdown()
-            confirm_btn = gr.Button("Delete for good", variant="stop", elem_id="confirm-delete-btn", scale=0,
-                                    min_width=140)
-            cancel_btn = gr.Button("Cancel", elem_id="cancel-delete", scale=0, min_width=90)
+            with gr.Row():
+                confirm_btn = gr.Button("Delete for good", variant="stop", elem_id="confirm-delete-btn", min_width=140)
+                cancel_btn = gr.Button("Cancel", elem_id="cancel-delete", min_width=90)
         with gr.Row():
             export_btn = gr.Button("Export")
             export_md = gr.File(label="Markdown")
