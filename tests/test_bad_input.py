@@ -1044,7 +1044,7 @@ def test_the_app_reports_a_corrupt_saved_session_and_keeps_the_chat(app):
 @pytest.mark.slow
 @pytest.mark.parametrize("api, args, match", [
     pytest.param("/undo", (), "Nothing to do yet", id="undo"),
-    pytest.param("/restore", (None,), "choose a saved conversation first", id="restore-nothing-chosen"),
+    pytest.param("/restore", (None,), "Choose a saved conversation first", id="restore-nothing-chosen"),
 ])
 def test_the_app_refuses_actions_on_an_empty_chat(app, api, args, match):
     client = Client(app[0], verbose=False)

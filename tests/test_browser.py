@@ -17,6 +17,7 @@ from h2o_chat.bench.page import apply_settings
 from h2o_chat.cache.config import CacheConfig
 from h2o_chat.chat import store
 from h2o_chat.chat.conversation import Sampling, Settings
+from h2o_chat.ui.chat import OnePerClick
 from tests.conftest import make_tiny_chat
 from tests.live import deadline, free_port, live_app, never_ending
 
@@ -801,7 +802,7 @@ def menu_of(page, row):
     return flag.get_attribute("title"), buttons.locator(".extra-feedback-option:visible").all_inner_texts()
 
 
-def test_pin_is_named_and_shown_as_the_message_state(browser, short_app, tmp_path):
+def test_pin_is_named_and_shown_as_the_message_state(browser, short_app, tmp_path, monkeypatch):
     # issue 34: Pin lived behind a button titled "Feedback" whose menu offered Pin and Unpin whatever
     # the state; now the flag says what it does, the menu offers the one action that applies, and a
     # pinned message carries a mark
@@ -832,6 +833,25 @@ def test_pin_is_named_and_shown_as_the_message_state(browser, short_app, tmp_pat
         page.wait_for_function(f"() => JSON.stringify(({pinned_rows})()) === '[false,false]'", timeout=WAIT_MS)
         assert menu_of(page, 0) == ("Pin: never evict this message", ["Pin (never evict)"])
         assert "pinned (never evicted)" not in page.inner_text("#stats")
+        # a pin refused (no room) leaves the menu offering Pin, and Pin asked again is a pin again
+        # (the Chatbot, remembering the last click, sends it as "no choice": never as an Unpin)
+        send_and_settle(page, "A message far too long to be pinned beside the recent window of this cache.")
+        asked = []
+        original = ChatSession.pin
+        monkeypatch.setattr(ChatSession, "pin", lambda self, turn, pinned=True: asked.append((turn, pinned)) or
+                            original(self, turn, pinned))
+        for times in (1, 2):
+            page.wait_for_timeout(1000 * OnePerClick.WINDOW_S + 100)  # sooner, a click is taken for the last one's copy
+            assert menu_of(page, 2)[1] == ["Pin (never evict)"]
+            page.locator("#chat .message-buttons").nth(2).locator(".extra-feedback-option:visible").click()
+            for _ in deadline(60):
+                if len(asked) >= times:
+                    break
+            page.wait_for_function("() => [...document.querySelectorAll('.toast-wrap .toast-item')].some(e => "
+                                   "e.innerText.includes('raise the budget or lower the recent window'))",
+                                   timeout=WAIT_MS)
+        assert asked == [(2, True), (2, True)]  # each click a pin (its copy dropped), never an unpin
+        assert page.evaluate(pinned_rows) == [False, False, False, False]
     finally:
         context.close()
 

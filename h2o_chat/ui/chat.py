@@ -13,7 +13,6 @@ an action on a message (edit, retry, undo, pin) from a tab whose drawing is olde
 conversation (another tab changed it since) is refused too, and the tab shows it as it is now.
 """
 
-import html
 import threading
 import time
 from dataclasses import dataclass
@@ -74,8 +73,13 @@ def label(session):
 def marks_html(session):
     """The messages' state for the page's script (assets/app.js), which marks each pinned message
     and names its flag and menu after it: the indices of the pinned messages."""
-    pinned = [i for i, m in enumerate(session.messages) if m.pinned] if session is not None else []
-    return f'<div class="chat-marks" data-pinned="{html.escape(" ".join(map(str, pinned)))}"></div>'
+    pinned = pinned_messages(session)
+    return f'<div class="chat-marks" data-pinned="{" ".join(map(str, pinned))}"></div>'
+
+
+def pinned_messages(session):
+    """The indices of the pinned messages (what marks_html shows)."""
+    return [i for i, m in enumerate(session.messages) if m.pinned] if session is not None else []
 
 
 def controls(c, session, chat=None):
@@ -131,17 +135,15 @@ class OnePerClick:
             return last is None or last[0] != what or now - last[1] >= self.WINDOW_S
 
 
-def pin_wanted(liked):
-    """The Chatbot's feedback value -> pin (True) or unpin (False)."""
-    return liked in (True, PIN)
-
-
-def pin_now(session, turn):
-    """What a click on a message's flag menu asks: the other state than the message's own (the menu
-    offers only that one, Pin or Unpin). The Chatbot's own idea of it is not used: it is the
-    browser's memory of the last click, which a refused pin leaves wrong."""
-    messages = session.messages
-    return not (0 <= turn < len(messages) and messages[turn].pinned) if isinstance(turn, int) else True
+def pin_wanted(liked, turn=None, shown_pinned=()):
+    """What a click on a message's flag menu asks: pin (True) or unpin (False). The option clicked
+    says it; None means the Chatbot remembered that same option as this message's last click
+    (a refused pin asked again) and took the click back: then it is the one option the menu
+    showed, the other state than the tab drew (`shown_pinned`, Tab.streamed). Never a flip of
+    the state now: Gradio sends a click twice, and the copy must ask the same."""
+    if liked in (True, False, PIN, UNPIN):
+        return liked in (True, PIN)
+    return turn not in shown_pinned
 
 
 def stream_into(tab, session, state, stream, saved):
@@ -247,8 +249,8 @@ def changed_elsewhere(tab, session, state, progress=None):
     another process, changed the conversation since): the message acted on may not be the one
     the tab showed, so the action is refused and the tab shows the conversation as it is now."""
     session = tab.held(session, state, progress)
-    if isinstance(session, Watched):
-        return session, False  # read-only: its own refusal says what to do
+    if isinstance(session, Watched) or session.busy:
+        return session, False  # its own refusal says what to do: read-only, or a reply being written
     return session, caught_up(session, progress) or tab.stale(session, state)
 
 
@@ -296,13 +298,11 @@ def edit(tab, session, state, turn, text):
 
 
 def pin(tab, session, state, turn, pinned, progress=None):
-    """Pin (or, pinned False, unpin) message `turn`; pinned None: the other state than the
-    message's own (the flag menu's click). A message pinned after some of its tokens were
-    evicted is fed again before the pin is set: `progress` shows that replay."""
+    """Pin (or, pinned False, unpin) message `turn`. A message pinned after some of its tokens
+    were evicted is fed again before the pin is set: `progress` shows that replay."""
     def pin_it(s):
-        t = _turn(turn)
         with replaying(s, progress, "Bringing the pinned message back into every head"):
-            s.pin(t, pinned=pin_now(s, t) if pinned is None else pin_wanted(pinned))
+            s.pin(_turn(turn), pinned=pin_wanted(pinned))
     return act(tab, session, state, pin_it, progress)
 
 
@@ -372,7 +372,8 @@ def wire(app, tab, c, session, conversation_id, state):
     def liked(session, state, data: gr.LikeData, request: gr.Request, progress=gr.Progress()):
         if not one_per_click.first(request.session_hash, (str(data.index), str(data.liked))):
             return {tab.session: gr.skip()}  # the same click's second copy (see OnePerClick): nothing changes
-        return pin(tab, session, state, data.index, None, progress)  # the menu offers what flips it
+        index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+        return pin(tab, session, state, data.index, pin_wanted(data.liked, index, state.get("pinned", ())), progress)
 
     streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")
     tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))

@@ -84,7 +84,7 @@ class Tab:
     def streamed(self, session, state, live=None, panel=True, saved=True):
         """The update after a chat action; panel=False leaves the panel, saved=False the saved list."""
         shown = {self.session: session, self.chat.chatbot: chat_view(session), self.chat.marks: ui_chat.marks_html(session)}
-        state["shown"] = drawn(session)
+        state["shown"], state["pinned"] = drawn(session), ui_chat.pinned_messages(session)  # what the tab shows
         if session is not None and session.messages and not isinstance(session, Watched):
             shown[self.conversation_id] = session.id  # what the browser reopens (never a watched /v1 one)
         if saved:
