@@ -132,6 +132,7 @@ def test_delete_lets_the_live_session_go_and_a_tab_left_on_it_gets_a_new_chat(ap
     assert session.data_dir is None  # never saved again: no write can bring the file back
     fresh = app.held("tab-b", session)  # a tab that still showed it
     assert fresh is not session and fresh.messages == [] and app.live.get(fresh.id) is fresh
+    assert fresh.take_notices() == ["That conversation was deleted (in another tab): this is a new chat."]
 
 
 def test_delete_refuses_a_conversation_writing_a_reply(app):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .state import CHAT_EVERY_S, PANEL_EVERY_S, Watched, prefill_notice, replaying, warn
+from .state import CHAT_EVERY_S, PANEL_EVERY_S, Watched, chat_view, prefill_notice, replaying, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
 LABEL = "h2o-chat"
@@ -218,15 +218,19 @@ def reply(app, tab, message, session, conversation_id, state, progress=None):
             raise ValueError(BUSY)
         n_before = len(session.messages)
         stream = session.send(message)
-        notice = prefill_notice(app, message)
     except ValueError as e:
         warn(e)
         yield {box: message, **tab.streamed(session, state)}
         return
+    updates = stream_into(tab, session, state, stream, saved=True)
+    # at once: the message in the chat, "waiting for the first token" (the session takes the
+    # message when its prefill starts, and shows it with the reply's first piece)
+    yield {**next(updates), tab.chat.chatbot: chat_view(session, sending=message)}
+    notice = prefill_notice(app, message)
     if notice:
         gr.Info(notice)
-    last = None
-    for update in stream_into(tab, session, state, stream, saved=True):
+    last = None  # each update is held until the next: the last one carries the box if it is taken back
+    for update in updates:
         if last is not None:
             yield last
         last = update

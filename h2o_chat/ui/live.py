@@ -91,7 +91,9 @@ class LiveSessions:
                 return found
             deleted = session.id in self._deleted
         if deleted:
-            return self.add(tab, open_it(None))
+            fresh = open_it(None)
+            fresh.notices.append("That conversation was deleted (in another tab): this is a new chat.")
+            return self.add(tab, fresh)
         return self.attach(tab, session.id, lambda: open_it(session.id) if session.messages else session)
 
     def show(self, tab, session):

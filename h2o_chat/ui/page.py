@@ -332,12 +332,10 @@ def wire_delete(app, tab, session, conversation_id, state):
             warn(e)
             return {**tab.streamed(current, state), s.confirm_row: gr.Column(visible=False)}
         gr.Info("Deleted.")
-        hidden = {s.confirm_row: gr.Column(visible=False), s.saved: gr.Dropdown(value=None)}
+        done = {s.confirm_row: gr.Column(visible=False), s.saved: gr.Dropdown(choices=app.saved(), value=None)}
         if current is None or getattr(current, "id", None) == wanted:  # the tab goes to a new chat
-            fresh = app.attach(state.get("tab"), None)
-            return {**tab.everything(fresh, state), conversation_id: None, **hidden,
-                    s.saved: gr.Dropdown(choices=app.saved(), value=None)}
-        return {**tab.streamed(current, state), **hidden, s.saved: gr.Dropdown(choices=app.saved(), value=None)}
+            return {**tab.everything(app.attach(state.get("tab"), None), state), conversation_id: None, **done}
+        return {**tab.streamed(current, state), **done}
 
     s.delete_btn.click(ask, inputs=[session, s.saved], outputs=[s.confirm_row, s.confirm_text, target], queue=False,
                        api_visibility="private")

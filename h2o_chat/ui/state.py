@@ -259,6 +259,8 @@ def measure_prefill(app, text):
             pass
         turn = probe.last_turn
         app.prefill.record(turn.prompt_computed, turn.ttft_s)
+    except ValueError:
+        pass  # out of memory even for this: no estimate (the message itself will say what it can)
     finally:
         probe.close()
 
@@ -320,12 +322,13 @@ def warn(error):
     gr.Warning(str(error))
 
 
-def chat_view(session):
-    """The Chatbot's value. Typed text parts: Gradio runs a plain string through
-    inspect.cleandoc, which would show pasted code dedented and edge blank lines dropped."""
-    if session is None:
-        return []
-    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in session.history]
+def chat_view(session, sending=None):
+    """The Chatbot's value (and `sending`, a user message the session has not taken yet). Typed
+    text parts: Gradio runs a plain string through inspect.cleandoc, which would show pasted code
+    dedented and edge blank lines dropped."""
+    history = (session.history if session is not None else []) + ([{"role": "user", "content": sending}]
+                                                                   if sending is not None else [])
+    return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in history]
 
 
 def tell(session):
