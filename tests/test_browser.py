@@ -173,6 +173,16 @@ def test_the_live_view_follows_new_tokens_and_lets_the_user_scroll_back(page):
     page.wait_for_function(at_end, timeout=WAIT_MS)  # overflowing, and showing its end
     wait_for_more(page, bot_text(page), chars=60)
     page.wait_for_function(at_end, timeout=WAIT_MS)  # still the end after new tokens came in
+    # issue 34: its first line was cut in half; the box and the map are whole numbers of lines, so
+    # the end (where it follows the reply) shows whole lines only
+    for width in (1280, 390):
+        page.set_viewport_size({"width": width, "height": 900})
+        wait_for_more(page, bot_text(page))
+        lines = page.evaluate("() => { const m = document.querySelector('#token-map .token-map'); "
+                              "const line = parseFloat(getComputedStyle(m).lineHeight); "
+                              "return [m.clientHeight / line, m.scrollHeight / line]; }")
+        assert all(abs(n - round(n)) < 0.05 for n in lines), (width, lines)
+    page.set_viewport_size({"width": 1280, "height": 900})
     page.evaluate("() => { const m = document.querySelector('#token-map .token-map'); m.scrollTop = 0; "
                   "m.dispatchEvent(new Event('scroll')); }")  # the user scrolls back
     wait_for_more(page, bot_text(page), chars=60)
