@@ -188,3 +188,15 @@ def test_a_long_message_is_announced_with_its_measured_prefill_time(app):
     before = time.perf_counter()
     prefill_notice(app, "y" * 20_000)
     assert app.prefill.tokens_per_s() is not None and time.perf_counter() - before < 30
+
+
+def test_a_script_tab_closed_mid_reply_stops_it(app):
+    # a gradio_client tab runs no page load: App.live never saw it show the session; its state did
+    session = app.attach(None, None)
+    "".join(session.send("Hello"))
+    reply = session.send("A long reply, please.")
+    next(reply, None)
+    app.live.detach("script-tab", session)
+    assert session._stop.is_set()
+    for _ in reply:
+        pass

@@ -7,7 +7,7 @@ load, no replay).
     .add(tab, session)                                   a new chat, held and shown by `tab`
     .held(tab, session, open_it) -> session              what an action acts on: the one held for its id
     .show(tab, session)                                  `tab` shows `session` (None: nothing of ours, a watched /v1 one)
-    .detach(tab)                                         the tab is gone (closed, reloaded)
+    .detach(tab, session=None)                           the tab is gone (closed, reloaded)
     .forget(conversation_id)                             deleted: stopped, never saved again, let go
     .sweep()                                             drop what is idle now (a timer does it too)
     .get(conversation_id) -> session or None, .tabs(conversation_id) -> how many tabs show it
@@ -108,13 +108,15 @@ class LiveSessions:
                 self._show(tab, session)
         self._schedule()
 
-    def detach(self, tab):
-        """The tab is gone: what it showed is dropped once idle, and its reply stops when no other
-        tab shows it."""
+    def detach(self, tab, session=None):
+        """The tab is gone: what it showed (`session`, else the one it was shown as showing) is
+        dropped once idle, and its reply stops when no other tab shows it."""
         with self._lock:
-            left = self._sessions.get(self._tabs.pop(tab, None))
+            shown = self._sessions.get(self._tabs.pop(tab, None))
+            left = session if session is not None else shown
             if left is not None:
-                self._touched[left.id] = self.clock()
+                if left.id in self._sessions:
+                    self._touched[left.id] = self.clock()
                 if left.id in self._tabs.values():
                     left = None
         if left is not None:

@@ -158,10 +158,13 @@ def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaul
         wire_api(app, tab, session, state)
 
         def tab_closed(request: gr.Request):
-            """The tab's heartbeat ended (closed, reloaded or asleep): it shows nothing now. Its
-            conversation's session stays live for a while (a reload or another tab attaches to
-            it at once) unless no tab shows it then: App.live drops it, freeing its cache."""
-            app.live.detach(request.session_hash)
+            """The tab's heartbeat ended (closed, reloaded or asleep): it shows nothing now, and a
+            reply of its conversation stops unless another tab shows it. The session stays live
+            for a while (a reload or another tab attaches to it at once); App.live drops it, and
+            frees its cache, once no tab has shown it for its idle time. (A script's tab, which no
+            page load announced, is known by the session in its state.)"""
+            held = demo.state_holder.session_data.get(request.session_hash)
+            app.live.detach(request.session_hash, held.state_data.get(session._id) if held else None)
 
         demo.unload(tab_closed)
     demo.h2o_app = app  # not `app`: launch() sets that to its FastAPI app
