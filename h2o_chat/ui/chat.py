@@ -382,9 +382,11 @@ def wire(app, tab, c, session, conversation_id, state):
     streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")
     tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))
     tab.charts_after(tab.charts_after(c.cont_btn.click(continued, **streams)))
-    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private")
+    # a replay's progress bar (a pin brings evicted tokens back), or Gradio's "pending", once, over the chat
+    one_bar = dict(show_progress_on=c.chatbot)
+    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private", **one_bar)
     tab.charts_after(c.chatbot.undo(undone, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
-                                    **limit, api_visibility="private"))
+                                    **limit, api_visibility="private", **one_bar))
     tab.charts_after(c.chatbot.edit(edited, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
-                                    **limit, api_visibility="private"))
+                                    **limit, api_visibility="private", **one_bar))
     tab.charts_after(c.chatbot.like(liked, **io))

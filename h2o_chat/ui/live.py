@@ -139,11 +139,11 @@ class LiveSessions:
         now = self.clock()
         with self._lock:
             shown = set(self._tabs.values())
-            dropped = [s for i, s in self._sessions.items() if i not in shown and not s.busy and
-                       now - self._touched.get(i, now) >= self.idle_s and (not s.messages or self._saved(s))]
-            for s in dropped:
-                del self._sessions[s.id]
-                self._touched.pop(s.id, None)
+            dropped = [i for i, s in self._sessions.items() if i not in shown and not s.busy and
+                       now - self._touched.get(i, now) >= self.idle_s and self._droppable(s)]
+            for i in dropped:
+                self._touched.pop(i, None)
+            dropped = [self._sessions.pop(i) for i in dropped]
         for s in dropped:
             s.close()
         self._schedule()
@@ -169,17 +169,21 @@ class LiveSessions:
                 self._tabs = {t: session.id if i == old else i for t, i in self._tabs.items()}
 
     @staticmethod
-    def _saved(session):
-        return session.data_dir is not None and session.save_error is None
+    def _droppable(session):
+        """Empty, or saved as it is: nothing is lost when it goes."""
+        return not session.messages or (session.data_dir is not None and session.save_error is None)
 
     def _schedule(self):
-        """One timer, for the earliest moment a session no tab shows becomes idle."""
+        """One timer, for the earliest moment a session no tab shows becomes idle (one overdue is
+        writing a reply that no tab shows, a script's: looked at again every few seconds)."""
         with self._lock:
             shown = set(self._tabs.values())
-            due = [self._touched.get(i, 0) + self.idle_s for i in self._sessions if i not in shown]
+            due = [self._touched.get(i, 0) + self.idle_s for i, s in self._sessions.items()
+                   if i not in shown and self._droppable(s)]
             if self._timer is not None or not due:
                 return
-            self._timer = threading.Timer(max(0.0, min(due) - self.clock()) + 0.05, self._fire)
+            wait = min(due) - self.clock()
+            self._timer = threading.Timer(wait + 0.05 if wait > 0 else min(self.idle_s, 5.0), self._fire)
             self._timer.daemon = True
             self._timer.start()
 

@@ -124,6 +124,7 @@ class Tab:
                           api_visibility="private", show_progress="hidden")  # no loading veil: the old drawing stays until then
 
     def everything(self, session, state):
+        state["watching"] = session if isinstance(session, Watched) else None  # what the watch's timer may draw
         return self.streamed(session, state) | ui_settings.values(self.settings, session)
 
 
@@ -180,7 +181,7 @@ def wire_watch(app, tab, session, state):
     c = tab.chat
 
     def tick(current, state):
-        if not isinstance(current, Watched):
+        if not isinstance(current, Watched) or state.get("watching") is not current:
             return {timer: gr.Timer(active=False)}
         if not app.still_live(current):
             warn("That /v1 conversation is no longer live (the API let it go to free memory); it is saved: "
@@ -190,7 +191,11 @@ def wire_watch(app, tab, session, state):
                     timer: gr.Timer(active=False)}
         if not current.changed():
             return {timer: gr.skip()}  # nothing new: nothing sent
-        return tab.streamed(current, state, live=current.live_figures(), saved=False)
+        drawn = tab.streamed(current, state, live=current.live_figures(), saved=False)
+        if state.get("watching") is not current:  # the tab moved on (New chat, Restore) while this was drawn
+            return {timer: gr.skip()}
+        # not the session itself: a tick landing after New chat must not put the watched one back
+        return {component: value for component, value in drawn.items() if component is not tab.session}
 
     def charts(current, state):
         """The charts again after a tick that drew (see Tab.charts_after): else nothing is sent."""

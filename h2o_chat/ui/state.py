@@ -293,7 +293,8 @@ def duration(seconds):
 def new_view():
     """The panel's per-tab view: layer and head (None = all); "tab" (the Gradio session hash, set
     by the page's load), "shown" and "pinned" (what the tab last drew of its conversation, and
-    which messages it showed pinned) and "listed" (the live /v1 ones its list shows) come later."""
+    which messages it showed pinned), "watching" (the Watched it shows, else None) and "listed"
+    (the live /v1 ones its list shows) come later."""
     return {"layer": None, "head": None}
 
 
