@@ -30,3 +30,31 @@ document.addEventListener("keydown", (event) => {
   if (!(box instanceof HTMLTextAreaElement) || !box.closest("#message")) return;
   box.dataset.sent = box.value;
 }, true);
+
+// Pins as state. The server lists the pinned messages in #chat-marks (ui_chat.marks_html); each
+// message's flag is then named for what it does, its menu offers only Pin or Unpin, as the
+// message is, and a pinned message carries a mark (the token map's pinned colour, app.css).
+(() => {
+  const PIN = "Pin (never evict)";
+  const mark = () => {
+    const data = document.querySelector("#chat-marks .chat-marks");
+    if (!data) return;
+    const pinned = new Set((data.dataset.pinned || "").split(" ").filter(Boolean).map(Number));
+    const buttons = document.querySelectorAll("#chat .message-buttons");  // one after each message, in order
+    document.querySelectorAll("#chat .message-row").forEach((row, i) => {
+      const on = pinned.has(i);
+      if (row.classList.contains("pinned") !== on) row.classList.toggle("pinned", on);
+      const flag = buttons[i] && buttons[i].querySelector(".extra-feedback > button");
+      const title = on ? "Pinned: never evicted (open for Unpin)" : "Pin: never evict this message";
+      if (flag && flag.title !== title) {
+        flag.title = title;
+        flag.setAttribute("aria-label", on ? "Pinned" : "Pin");
+      }
+      (buttons[i] ? buttons[i].querySelectorAll(".extra-feedback-option") : []).forEach((option) => {
+        const hide = (option.textContent.trim() === PIN) === on;
+        if (option.hidden !== hide) option.hidden = hide;
+      });
+    });
+  };
+  new MutationObserver(mark).observe(document.documentElement, { childList: true, subtree: true });
+})();

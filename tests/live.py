@@ -91,7 +91,7 @@ def save_tiny_chat(folder, never_ends=False):
     return folder
 
 
-STREAMED = ("conversation_id", "chat", "saved", "legend", "token_map", "retention_map", "stats", "memory", "slots",
+STREAMED = ("conversation_id", "chat", "marks", "saved", "legend", "token_map", "retention_map", "stats", "memory", "slots",
             "heavy")
 FIELDS = ("system_prompt", "pin_system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
           "score", "positions")

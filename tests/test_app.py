@@ -123,7 +123,10 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     bad = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
     assert left_as_typed(bad["policy"]) and left_as_typed(bad["budget"])  # ... and what was typed stays typed
-    assert warnings_of(job) == ["H2OCache: budget must be positive, got 0"]  # said once
+    assert warnings_of(job) == ["Cache not applied: budget must be positive, got 0"]  # said once, in words
+    job = client.submit("You are terse.", 0.7, 0.9, -5, api_name="/sampling")  # issue 34: after a refused budget
+    job.result(timeout=CALL_DEADLINE_S)
+    assert warnings_of(job) == ["Generation not applied: max new tokens must be at least 1, got -5"]
     job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", api_name="/apply_cache")
     huge = shown(job.result(timeout=CALL_DEADLINE_S))  # issue 25, 2: accepted, then "can't allocate ..." for good
     (warning,) = warnings_of(job)
@@ -263,3 +266,22 @@ def test_a_v1_story_is_listed_watched_read_only_and_its_client_goes_on_as_before
         assert demo.router.pool.watchable()[0][0] is session
         fresh = shown(call(tab, api_name="/new_chat"))  # back to writing: a chat of the tab's own
         assert fresh["chat"] == [] and shown(call(tab, "Now mine", api_name="/send"))["chat"][0]["content"]
+
+
+def test_a_long_message_says_first_how_long_its_prefill_will_take_and_it_roughly_does(tmp_path):
+    # issue 34: a 60,000-character message was accepted with no word of the minute of prefill it
+    # costs. The estimate is this machine's measured speed (here a short read of the message's own
+    # start, nothing being measured yet); the tiny model is slowed to read like a real one
+    model, tokenizer = make_tiny_chat()
+    model.register_forward_pre_hook(lambda module, args: time.sleep(0.1))  # each prefill chunk: +0.1 s
+    with live_app(tmp_path, model, tokenizer, cache=dict(prefill_chunk=256), temperature=0,
+                  max_new_tokens=1) as (url, _):
+        client = Client(url, verbose=False)
+        text = "the keeper lit the lamp " * 800  # 19,200 tokens: one a character
+        job = client.submit(text, api_name="/send")
+        out = shown(job.result(timeout=120))
+        (said,) = warnings_of(job, "info")
+    estimate = float(re.search(r"reading it takes about (\d+) s on this machine", said).group(1))
+    assert said.startswith(f"This message is {len(text):,} tokens") and "tokens/s) before the reply starts" in said
+    ttft = float(re.search(r"TTFT ([\d.]+) s", out["stats"]).group(1))
+    assert estimate / 2 <= ttft <= estimate * 2, (estimate, ttft)  # roughly: the same machine, the same model

@@ -35,7 +35,7 @@ import json
 import math
 import pickle
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 
 import gradio as gr
@@ -45,10 +45,11 @@ from transformers import GPT2Config
 
 import app as app_main
 from h2o_chat import ChatSession, Conversation, Message
+from h2o_chat.cache.config import CacheConfig, SettingError, in_words
 from h2o_chat.chat import limits as limits_mod
 from h2o_chat.chat import store
 from h2o_chat.chat import timeline as timeline_mod
-from h2o_chat.chat.conversation import cache_config, sampling
+from h2o_chat.chat.conversation import Sampling, cache_config, sampling
 from h2o_chat.chat.session import MAX_MESSAGE_CHARS, check_system_prompt, check_text
 from h2o_chat.chat.template import render
 from h2o_chat.models.load import ModelLoadError, load_model
@@ -317,42 +318,42 @@ CACHE_SETTINGS = [
     pytest.param(dict(budget=1.5), "whole number of slots or a fraction", id="budget-1.5"),
     pytest.param(dict(budget=math.nan), "budget", id="budget-nan"),
     pytest.param(dict(budget=math.inf), "budget", id="budget-inf"),
-    pytest.param(dict(budget=16, n_recent=32), "exceeds the budget", id="n_recent-over-budget"),
-    pytest.param(dict(budget=16, n_sink=10, n_recent=10), "exceeds the budget", id="sinks-plus-recent-over"),
-    pytest.param(dict(n_recent=-1), r"n_recent must be in \[0, inf\]", id="n_recent-negative"),
-    pytest.param(dict(n_sink=-1), r"n_sink must be in \[0, inf\]", id="n_sink-negative"),
-    pytest.param(dict(n_sink="4"), "n_sink must be a number", id="n_sink-text"),
+    pytest.param(dict(budget=16, n_recent=32), r"the budget \(16\) cannot hold 4 sinks and a recent window of 32", id="n_recent-over-budget"),
+    pytest.param(dict(budget=16, n_sink=10, n_recent=10), "cannot hold 10 sinks", id="sinks-plus-recent-over"),
+    pytest.param(dict(n_recent=-1), "recent window must be at least 0, got -1", id="n_recent-negative"),
+    pytest.param(dict(n_sink=-1), "sinks must be at least 0, got -1", id="n_sink-negative"),
+    pytest.param(dict(n_sink="4"), "sinks must be a number", id="n_sink-text"),
     pytest.param(dict(policy="lru"), "unknown policy 'lru'", id="policy-unknown"),
     pytest.param(dict(score="max"), "unknown score 'max'", id="score-unknown"),
     pytest.param(dict(positions="relative"), "unknown positions", id="positions-unknown"),
-    pytest.param(dict(prefill_chunk=0), "prefill_chunk", id="prefill-chunk-0"),
-    pytest.param(dict(decay=0.0), "decay must be in", id="decay-0"),
+    pytest.param(dict(prefill_chunk=0), "prefill chunk must be at least 1", id="prefill-chunk-0"),
+    pytest.param(dict(decay=0.0), "decay must be more than 0 and at most 1", id="decay-0"),
     pytest.param(dict(budgett=64), "unknown cache setting 'budgett'", id="misspelt-cache-key"),
     pytest.param("h2o", "must be a dict", id="cache-not-a-dict"),
 ]
 
 SAMPLING_SETTINGS = [
-    pytest.param(dict(temperature=-0.1), r"temperature must be in \[0, 5\]", id="temperature-negative"),
-    pytest.param(dict(temperature=6), r"temperature must be in \[0, 5\]", id="temperature-6"),
+    pytest.param(dict(temperature=-0.1), "temperature must be from 0 to 5, got -0.1", id="temperature-negative"),
+    pytest.param(dict(temperature=6), "temperature must be from 0 to 5", id="temperature-6"),
     pytest.param(dict(temperature="hot"), "temperature must be a number", id="temperature-text"),
     pytest.param(dict(temperature=math.nan), "temperature must be a number", id="temperature-nan"),
-    pytest.param(dict(top_p=-0.1), r"top_p must be in \[0, 1\]", id="top_p-negative"),  # 0 is greedy
-    pytest.param(dict(min_p=1.5), r"min_p must be in \[0, 1\]", id="min_p-1.5"),
-    pytest.param(dict(typical_p=0), r"typical_p must be in \(0, 1\]", id="typical_p-0"),
-    pytest.param(dict(frequency_penalty=2.5), r"frequency_penalty must be in \[-2, 2\]", id="frequency-2.5"),
-    pytest.param(dict(presence_penalty="x"), "presence_penalty must be a number", id="presence-text"),
-    pytest.param(dict(logit_bias={"5": 101}), r"logit_bias\[5\] must be in \[-100, 100\]", id="bias-101"),
+    pytest.param(dict(top_p=-0.1), "top-p must be from 0 to 1", id="top_p-negative"),  # 0 is greedy
+    pytest.param(dict(min_p=1.5), "min-p must be from 0 to 1", id="min_p-1.5"),
+    pytest.param(dict(typical_p=0), "typical-p must be more than 0 and at most 1", id="typical_p-0"),
+    pytest.param(dict(frequency_penalty=2.5), "frequency penalty must be from -2 to 2", id="frequency-2.5"),
+    pytest.param(dict(presence_penalty="x"), "presence penalty must be a number", id="presence-text"),
+    pytest.param(dict(logit_bias={"5": 101}), r"logit_bias\[5\] must be from -100 to 100", id="bias-101"),
     pytest.param(dict(logit_bias={"x": 1}), "logit_bias token id must be a number", id="bias-not-an-id"),
     pytest.param(dict(logit_bias=[1, 2]), "logit_bias must map token ids", id="bias-not-pairs"),
-    pytest.param(dict(top_p=1.5), "top_p must be in", id="top_p-1.5"),
-    pytest.param(dict(top_p="x"), "top_p must be a number", id="top_p-text"),
-    pytest.param(dict(top_k=-1), "top_k must be in", id="top_k-negative"),
-    pytest.param(dict(top_k=2.5), "top_k must be a whole number", id="top_k-fraction"),
-    pytest.param(dict(max_new_tokens=0), "max_new_tokens must be in", id="max_new_tokens-0"),
-    pytest.param(dict(max_new_tokens=-5), "max_new_tokens must be in", id="max_new_tokens-negative"),
-    pytest.param(dict(max_new_tokens=1.5), "max_new_tokens must be a whole number", id="max_new_tokens-fraction"),
-    pytest.param(dict(max_new_tokens="256"), "max_new_tokens must be a number", id="max_new_tokens-text"),
-    pytest.param(dict(repetition_penalty=0), "repetition_penalty must be in", id="repetition_penalty-0"),
+    pytest.param(dict(top_p=1.5), "top-p must be from 0 to 1, got 1.5", id="top_p-1.5"),
+    pytest.param(dict(top_p="x"), "top-p must be a number", id="top_p-text"),
+    pytest.param(dict(top_k=-1), "top-k must be at least 0", id="top_k-negative"),
+    pytest.param(dict(top_k=2.5), "top-k must be a whole number", id="top_k-fraction"),
+    pytest.param(dict(max_new_tokens=0), "max new tokens must be at least 1, got 0", id="max_new_tokens-0"),
+    pytest.param(dict(max_new_tokens=-5), "max new tokens must be at least 1, got -5", id="max_new_tokens-negative"),
+    pytest.param(dict(max_new_tokens=1.5), "max new tokens must be a whole number", id="max_new_tokens-fraction"),
+    pytest.param(dict(max_new_tokens="256"), "max new tokens must be a number", id="max_new_tokens-text"),
+    pytest.param(dict(repetition_penalty=0), "repetition penalty must be more than 0", id="repetition_penalty-0"),
     pytest.param(dict(seed="abc"), "seed must be a number", id="seed-text"),
     pytest.param(dict(seed=1.5), "seed must be a whole number", id="seed-fraction"),
     pytest.param(dict(stop=[""]), "non-empty strings", id="stop-empty-string"),
@@ -380,6 +381,29 @@ def test_invalid_sampling_settings_are_refused(values, match):
         sampling(values)
 
 
+def below_bounds(f):
+    """A value just outside a bounded settings field: under its low (at it, when the low is open), else over its high."""
+    meta = f.metadata
+    if meta["low"] is not None:
+        return meta["low"] if meta["low_open"] else meta["low"] - 1
+    return meta["high"] + 1
+
+
+@pytest.mark.parametrize("cls", [CacheConfig, Sampling])
+def test_every_bounded_setting_is_refused_in_words(cls):
+    # issue 34: "must be in [1, inf]" -> "max new tokens must be at least 1"
+    bounded = [f for f in fields(cls) if f.metadata and (f.metadata["low"] is not None or f.metadata["high"] is not None)]
+    assert len(bounded) >= 2
+    for f in bounded:
+        with pytest.raises(SettingError) as refused:
+            cls(**{f.name: below_bounds(f)})
+        said = str(refused.value)
+        assert said.startswith(f"{in_words(f)} must be ") and "[" not in said and "inf" not in said, said
+        assert refused.value.name == f.name and said.endswith(f", got {below_bounds(f)!r}")
+    assert str(pytest.raises(ValueError, sampling, dict(max_new_tokens=-5)).value) == \
+        "max new tokens must be at least 1, got -5"
+
+
 @pytest.mark.parametrize("text, match", SYSTEM_PROMPTS)
 def test_an_invalid_system_prompt_is_refused(text, match):
     with pytest.raises(ValueError, match=match):
@@ -393,11 +417,11 @@ def test_a_blank_system_prompt_means_none():
 
 # one of each kind, as ChatSession's keyword arguments
 SESSION_SETTINGS = [
-    pytest.param(dict(cache=dict(budget=16, n_sink=10, n_recent=10)), "exceeds the budget", id="cache-over-budget"),
+    pytest.param(dict(cache=dict(budget=16, n_sink=10, n_recent=10)), "cannot hold 10 sinks", id="cache-over-budget"),
     pytest.param(dict(cache="h2o"), "must be a dict", id="cache-not-a-dict"),
     pytest.param(dict(cache=dict(budgett=64)), "unknown cache setting 'budgett'", id="misspelt-cache-key"),
     pytest.param(dict(temperature="hot"), "temperature must be a number", id="temperature-text"),
-    pytest.param(dict(max_new_tokens=0), "max_new_tokens must be in", id="max_new_tokens-0"),
+    pytest.param(dict(max_new_tokens=0), "max new tokens must be at least 1, got 0", id="max_new_tokens-0"),
     pytest.param(dict(temprature=0.5), "unknown setting 'temprature'", id="misspelt-setting"),
     pytest.param(dict(system_prompt="\ud800"), "the system prompt is not valid Unicode", id="system-prompt-surrogate"),
     # beyond what this machine can hold (issue 25, 2: budget 10**9 was accepted, then broke the chat for good)
@@ -678,10 +702,17 @@ def test_a_busy_port_is_one_line_naming_the_port_flag(tmp_path, monkeypatch):
 
 
 class TabShows:
-    """Stands in for ui.Tab: a callback's outputs are the session it leaves the tab on."""
+    """Stands in for ui.Tab: a callback's outputs are the session it leaves the tab on; the tab
+    acts on the session it holds, and its drawing is never older than it."""
 
     def streamed(self, session, state, live=None, panel=True, saved=True):
         return session
+
+    def held(self, session, state, progress=None):
+        return session
+
+    def stale(self, session, state):
+        return False
 
 
 APP_CACHE_FIELDS = [  # (budget, recent window, sinks) as the page's number fields send them
@@ -693,7 +724,7 @@ APP_CACHE_FIELDS = [  # (budget, recent window, sinks) as the page's number fiel
     pytest.param(16.5, 8, 2, "Budget must be a whole number", id="budget-fraction"),
     pytest.param(16, None, 2, "Recent window is empty", id="recent-field-empty"),
     pytest.param(16, 8, None, "Sinks is empty", id="sinks-field-empty"),
-    pytest.param(16, 8, 10, "exceeds the budget", id="sinks-plus-recent-over"),
+    pytest.param(16, 8, 10, "cannot hold 10 sinks and a recent window of 8", id="sinks-plus-recent-over"),
 ]
 
 
@@ -713,10 +744,10 @@ def test_a_recent_window_of_0_means_half():
 
 
 APP_SAMPLING_FIELDS = [  # (temperature, top-p, max new tokens) as the page's fields send them
-    pytest.param(0.7, 0.9, 0, r"max_new_tokens must be in \[1, inf\]", id="max_new_tokens-0"),
+    pytest.param(0.7, 0.9, 0, "max new tokens must be at least 1, got 0", id="max_new_tokens-0"),
     pytest.param(0.7, 0.9, None, "Max new tokens is empty", id="max_new_tokens-empty"),
     pytest.param(None, 0.9, 64, "Temperature is empty", id="temperature-empty"),
-    pytest.param(9, 0.9, 64, r"temperature must be in \[0, 5\]", id="temperature-9"),
+    pytest.param(9, 0.9, 64, "temperature must be from 0 to 5, got 9", id="temperature-9"),
 ]
 
 
@@ -822,7 +853,7 @@ API_BODIES = [
                  "only text parts", id="image"),
     pytest.param({"messages": [{"role": "tool", "content": "42", "tool_call_id": 5}, {"role": "user", "content": "hi"}]},
                  "tool_call_id must be text", id="tool-call-id-a-number"),
-    pytest.param(chat_body(max_tokens=-5), "max_tokens", id="negative-max"),
+    pytest.param(chat_body(max_tokens=-5), "max_tokens must be at least 1, got -5", id="negative-max"),
     pytest.param(chat_body(max_completion_tokens=0), "max_tokens", id="max-completion-0"),
     pytest.param(chat_body(temperature="hot"), "temperature", id="text-temperature"),
     pytest.param(chat_body(top_p=2), "top_p", id="top_p-2"),
@@ -832,9 +863,9 @@ API_BODIES = [
     pytest.param(chat_body(logprobs=True, top_logprobs=21), "top_logprobs must be a whole number from 0 to 20",
                  id="top-logprobs-21"),
     pytest.param(chat_body(logprobs="yes"), "logprobs must be true or false", id="logprobs-text"),
-    pytest.param(chat_body(frequency_penalty=3), "frequency_penalty must be in", id="penalty-3"),
+    pytest.param(chat_body(frequency_penalty=3), "frequency_penalty must be from -2 to 2, got 3", id="penalty-3"),
     pytest.param(chat_body(presence_penalty="x"), "presence_penalty must be a number", id="penalty-text"),
-    pytest.param(chat_body(seed=-2), "seed must be in", id="seed-negative"),  # -1 is "random"
+    pytest.param(chat_body(seed=-2), "seed must be from 0 to", id="seed-negative"),  # -1 is "random"
     pytest.param(chat_body(logit_bias=[["hello", 1]]), "'hello' is not a token id", id="bias-text"),
     pytest.param(chat_body(tools=[{"type": "function"}]), "tools must be a list of function tools", id="tool-no-name"),
     pytest.param(chat_body(tools={"name": "f"}), "tools must be a list of function tools", id="tools-an-object"),
@@ -1027,7 +1058,7 @@ def test_the_app_reports_a_corrupt_saved_session_and_keeps_the_chat(app):
 @pytest.mark.slow
 @pytest.mark.parametrize("api, args, match", [
     pytest.param("/undo", (), "Nothing to do yet", id="undo"),
-    pytest.param("/restore", (None,), "choose a saved conversation first", id="restore-nothing-chosen"),
+    pytest.param("/restore", (None,), "Choose a saved conversation first", id="restore-nothing-chosen"),
 ])
 def test_the_app_refuses_actions_on_an_empty_chat(app, api, args, match):
     client = Client(app[0], verbose=False)

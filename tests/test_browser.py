@@ -7,12 +7,17 @@ installed (`.ci/run` installs it)."""
 import os
 import re
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 
-from h2o_chat import ChatSession
+from h2o_chat import ChatSession, Conversation, Message
 from h2o_chat.bench.page import apply_settings
+from h2o_chat.cache.config import CacheConfig
 from h2o_chat.chat import store
+from h2o_chat.chat.conversation import Sampling, Settings
+from h2o_chat.ui.chat import OnePerClick
 from tests.conftest import make_tiny_chat
 from tests.live import deadline, free_port, live_app, never_ending
 
@@ -125,7 +130,7 @@ def send(page, text):
 
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     field = box(page)
-    assert "Enter sends, Shift+Enter makes a new line" in field.get_attribute("placeholder")
+    assert "Enter sends, Shift+Enter: new line" in field.get_attribute("placeholder")
     field.click()
     field.type("line one")
     page.keyboard.press("Shift+Enter")
@@ -168,6 +173,16 @@ def test_the_live_view_follows_new_tokens_and_lets_the_user_scroll_back(page):
     page.wait_for_function(at_end, timeout=WAIT_MS)  # overflowing, and showing its end
     wait_for_more(page, bot_text(page), chars=60)
     page.wait_for_function(at_end, timeout=WAIT_MS)  # still the end after new tokens came in
+    # issue 34: its first line was cut in half; the box and the map are whole numbers of lines, so
+    # the end (where it follows the reply) shows whole lines only
+    for width in (1280, 390):
+        page.set_viewport_size({"width": width, "height": 900})
+        wait_for_more(page, bot_text(page))
+        lines = page.evaluate("() => { const m = document.querySelector('#token-map .token-map'); "
+                              "const line = parseFloat(getComputedStyle(m).lineHeight); "
+                              "return [m.clientHeight / line, m.scrollHeight / line]; }")
+        assert all(abs(n - round(n)) < 0.05 for n in lines), (width, lines)
+    page.set_viewport_size({"width": 1280, "height": 900})
     page.evaluate("() => { const m = document.querySelector('#token-map .token-map'); m.scrollTop = 0; "
                   "m.dispatchEvent(new Event('scroll')); }")  # the user scrolls back
     wait_for_more(page, bot_text(page), chars=60)
@@ -198,13 +213,13 @@ def test_edit_and_pin_through_the_chatbots_own_controls(page):
     page.wait_for_function("() => document.querySelector('#token-map').innerText.includes('edited')", timeout=WAIT_MS)
 
     page.locator("#chat .user-row").first.hover()
-    page.locator("#chat button[aria-label='Feedback']").first.click()
+    page.locator("#chat .extra-feedback > button").first.click()
     page.locator("#chat .extra-feedback-option", has_text="Pin (never evict)").first.click()
     page.wait_for_selector("#token-map .tok.st-pinned", timeout=WAIT_MS)
     page.wait_for_function("() => document.querySelector('#stats').innerText.includes('pinned (never evicted): message 1')",
                            timeout=WAIT_MS)
     page.locator("#chat .user-row").first.hover()
-    page.locator("#chat button[aria-label='Feedback']").first.click()
+    page.locator("#chat .extra-feedback > button").first.click()
     page.locator("#chat .extra-feedback-option", has_text="Unpin").first.click()
     page.wait_for_function("() => !document.querySelector('#token-map .tok.st-pinned')", timeout=WAIT_MS)
 
@@ -409,7 +424,7 @@ def feedback_menu(page, row):
     """Hover the message's flag: its Pin / Unpin menu opens; (menu box, chat box)."""
     page.locator("#chat .message-row").nth(row).hover()
     buttons = page.locator("#chat .message-buttons").nth(row)  # each message's buttons sit after it
-    buttons.locator("button[aria-label='Feedback']").hover()
+    buttons.locator(".extra-feedback > button").hover()
     menu = buttons.locator(".extra-feedback-options")
     menu.wait_for(state="visible", timeout=WAIT_MS)
     return menu.bounding_box(), page.locator("#chat").bounding_box()
@@ -589,17 +604,34 @@ def test_a_v1_story_is_listed_picked_and_watched_while_it_streams(browser, tmp_p
             page.wait_for_timeout(1500)
             shot(page, "watch-v1-390", tmp_path, full_page=True)
             page.set_viewport_size({"width": 1280, "height": 900})
-            box(page).fill("Can I write here?")
-            box(page).press("Enter")
-            page.wait_for_function("() => [...document.querySelectorAll('.toast-wrap .toast-item')].some(e => "
-                                   "e.innerText.includes('watched read-only'))", timeout=WAIT_MS)
-            page.wait_for_function("() => document.querySelector('#message textarea').value === 'Can I write here?'",
-                                   timeout=WAIT_MS)  # refused, and nothing typed is lost
+            # issue 34: read-only, and it shows: the box, Send, Stop and Continue are disabled, and no
+            # message offers edit, retry, undo or its pin flag (copy stays: reading is what it is for)
+            assert box(page).is_disabled() and "Read-only" in box(page).get_attribute("placeholder")
+            assert [page.locator(b).is_disabled() for b in ("#send", "#stop", "#continue")] == [True] * 3
+            assert writing_buttons(page) == {"copy": 2, "edit": 0, "retry": 0, "undo": 0, "flag": 0}
+            page.click("#new-chat")  # back to writing: everything is offered again
+            page.wait_for_function("() => !document.querySelector('#message textarea').disabled", timeout=WAIT_MS)
+            assert not any(page.locator(b).is_disabled() for b in ("#send", "#stop", "#continue"))
+            for session, _ in demo.router.pool.watchable():
+                session.stop()  # the tiny model's reply would outrun what follows
+            send(page, "Now I write here")
+            stop_and_settle(page)
+            offered = writing_buttons(page)
+            assert offered["edit"] == offered["flag"] == 2 and offered["retry"] == offered["undo"] == 1, offered
         finally:
             context.close()
             for session, _ in demo.router.pool.watchable():
                 session.stop()
             done.wait(timeout=60)
+
+
+def writing_buttons(page):
+    """How many of each message button the chat shows (visible ones)."""
+    return page.evaluate("""() => { const seen = (sel) => [...document.querySelectorAll('#chat ' + sel)]
+        .filter(e => e.offsetParent !== null).length;
+      return {copy: seen("button[aria-label='Copy message']"), edit: seen("button[aria-label='Edit']"),
+              retry: seen("button[aria-label='Retry']"), undo: seen("button[aria-label='Undo']"),
+              flag: seen('.extra-feedback > button')}; }""")
 
 
 def test_two_tabs_show_every_message_after_reloads_and_a_server_restart(browser, tmp_path):
@@ -633,5 +665,284 @@ def test_two_tabs_show_every_message_after_reloads_and_a_server_restart(browser,
             wait_for_the_page_load(third)
             third.get_by_text("The first tab again").first.wait_for(timeout=WAIT_MS)
             assert users(third) == everything
+    finally:
+        context.close()
+
+
+# --- issue 34: one live session per conversation, Delete, pins as state, a page that tells the truth -------------
+
+STORY_TURNS = 12  # ~600 characters each way: ~7,000 tokens of the tiny model (one token a character)
+
+
+def long_story(data_dir):
+    """A story of thousands of tokens, saved as a person would have written it: its id."""
+    words = "the keeper lit the lamp and watched the ships pass through the storm while gulls cried".split()
+    messages = []
+    for turn in range(STORY_TURNS):
+        messages.append(Message("user", f"Chapter {turn}: " + " ".join(words[(turn + i) % len(words)] for i in range(50))))
+        messages.append(Message("assistant", " ".join(words[(turn * 3 + i) % len(words)] for i in range(60))))
+    settings = Settings(CacheConfig(**CACHE), Sampling(temperature=0, max_new_tokens=5000))  # replies run until stopped
+    conversation = Conversation(settings=settings, messages=messages)
+    store.write(data_dir, conversation)
+    return conversation.id
+
+
+def slowed(model, seconds):
+    """Every forward of `model` takes `seconds` longer: the tiny model's replay then lasts as long as
+    a real one does, long enough to see its progress bar (and a reply streams for a while)."""
+    model.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    return model
+
+
+# a progress bar is drawn by a component's status tracker, with its percentage ("Replaying the
+# conversation - 7.3%"): one tracker per bar shown (a tracker without one is Gradio's plain "pending")
+VISIBLE_BARS = ("() => [...document.querySelectorAll('[data-testid=\"status-tracker\"]')]"
+                ".filter(t => t.offsetParent !== null && t.getBoundingClientRect().width > 0 "
+                "&& getComputedStyle(t).opacity !== '0' && getComputedStyle(t).visibility !== 'hidden' "
+                "&& /\\d%/.test(t.innerText))"
+                ".map(t => !!t.closest('#chat'))")
+
+
+def bars_until(page, done_js, seconds=120):
+    """Poll the progress bars the page shows until `done_js` holds: [(how many, all in the chat)]."""
+    seen = []
+    for _ in deadline(seconds):
+        bars = page.evaluate(VISIBLE_BARS)
+        seen.append((len(bars), all(bars)))
+        if page.evaluate(done_js):
+            return seen
+    return seen
+
+
+def chat_ends_with(text):
+    return f"() => {{ const b = document.querySelectorAll('#chat .bot-row'); " \
+           f"return b.length && b[b.length - 1].innerText.trim().endsWith({text!r}); }}"
+
+
+def pick_saved(page, has_text):
+    picker = page.locator("#saved input")
+    picker.click()
+    page.locator(f"#{picker.get_attribute('aria-controls')}").get_by_role("option").filter(has_text=has_text).first.click()
+
+
+def test_a_long_story_reloads_without_a_replay_and_two_tabs_share_its_one_session(browser, tmp_path):
+    data = tmp_path / "data"
+    story = long_story(data)
+    model, tok = never_ending(*make_tiny_chat())
+    with live_app(data, slowed(model, 0.03), tok, cache=CACHE, concurrency=2, temperature=0,
+                  max_new_tokens=5000) as (url, demo):
+        live = demo.h2o_app.live
+        context = new_context(browser)  # one browser: its tabs share what it remembers
+        try:
+            first = context.new_page()
+            first.goto(url)
+            wait_for_the_page_load(first)
+            first.get_by_text("Saved conversations and export").click()
+            pick_saved(first, "Chapter 0")
+            first.click("#restore")
+            last = store.read(data, story).messages[-1].content[-30:]
+            seen = bars_until(first, chat_ends_with(last))
+            shot(first, "story-replay-1280", tmp_path)
+            # issue 34: "Replaying the conversation" was drawn five times; now once, over the chat
+            assert max(n for n, _ in seen) == 1 and all(inside for n, inside in seen if n), seen
+            first.wait_for_function("() => document.querySelector('#stats').innerText.includes('tokens seen')",
+                                    timeout=WAIT_MS)
+            session = live.get(story)
+            processed = session.timeline.tokens_processed
+            assert session.stats["tokens_seen"] > 5000 and processed >= session.stats["tokens_seen"]
+
+            started = time.monotonic()
+            first.reload()
+            seen = bars_until(first, chat_ends_with(last))
+            reload_s = time.monotonic() - started
+            assert max(n for n, _ in seen) == 0, seen  # no replay, so no progress bar
+            assert live.get(story) is session and session.timeline.tokens_processed == processed  # no token computed
+            assert reload_s < 20, reload_s  # generous for a busy machine; the replay alone took longer
+
+            second = context.new_page()  # a new tab opens what the browser showed last: the same session
+            second.goto(url)
+            second.wait_for_function(chat_ends_with(last), timeout=WAIT_MS)
+            assert live.get(story) is session and session.timeline.tokens_processed == processed
+            for _ in deadline(30):
+                if live.tabs(story) == 2:
+                    break
+
+            # one session, one reply at a time: a send from the second tab while the first tab's reply
+            # streams is refused with a sentence, and the text stays in the box
+            send(first, "Go on with the story")
+            wait_for_more(first, bot_text(first))
+            box(second).fill("A message from the second tab")
+            box(second).press("Enter")
+            second.wait_for_function("() => [...document.querySelectorAll('.toast-wrap .toast-item')].some(e => "
+                                     "e.innerText.includes('A reply is being written in this conversation'))",
+                                     timeout=WAIT_MS)
+            second.wait_for_function("() => document.querySelector('#message textarea').value === "
+                                     "'A message from the second tab'", timeout=WAIT_MS)
+            shot(second, "story-second-tab-refused-1280", tmp_path)
+            stop_and_settle(first)
+            box(second).press("Enter")  # once the reply has ended it goes, after the first tab's exchange
+            second.wait_for_function("() => document.querySelector('#message textarea').value === ''",
+                                     timeout=WAIT_MS)
+            second.wait_for_function(f"() => document.querySelectorAll('#chat .user-row').length === "
+                                     f"{STORY_TURNS + 2}", timeout=WAIT_MS)
+            assert users(second)[-2:] == ["Go on with the story", "A message from the second tab"]
+            stop_and_settle(second)
+            assert live.get(story) is session and [m.content for m in session.messages if m.role == "user"][-2:] == \
+                users(second)[-2:]
+
+            first.close()  # closing one tab leaves the session the other tab shows
+            for _ in deadline(30):
+                if live.tabs(story) == 1:
+                    break
+            assert live.get(story) is session
+            second.set_viewport_size({"width": 390, "height": 844})
+            second.wait_for_timeout(1000)
+            shot(second, "story-second-tab-390", tmp_path)
+        finally:
+            context.close()
+
+
+def menu_of(page, row):
+    """The message's flag: (its title, the options its menu shows)."""
+    page.locator("#chat .message-row").nth(row).hover()
+    buttons = page.locator("#chat .message-buttons").nth(row)
+    flag = buttons.locator(".extra-feedback > button")
+    flag.hover()
+    buttons.locator(".extra-feedback-options").wait_for(state="visible", timeout=WAIT_MS)
+    return flag.get_attribute("title"), buttons.locator(".extra-feedback-option:visible").all_inner_texts()
+
+
+def test_pin_is_named_and_shown_as_the_message_state(browser, short_app, tmp_path, monkeypatch):
+    # issue 34: Pin lived behind a button titled "Feedback" whose menu offered Pin and Unpin whatever
+    # the state; now the flag says what it does, the menu offers the one action that applies, and a
+    # pinned message carries a mark
+    context, page = open_page(browser, short_app[0])
+    pinned_rows = "() => [...document.querySelectorAll('#chat .message-row')].map(r => r.classList.contains('pinned'))"
+    try:
+        send_and_settle(page, "The keeper is Ada.")
+        assert menu_of(page, 0) == ("Pin: never evict this message", ["Pin (never evict)"])
+        page.locator("#chat .message-buttons").first.locator(".extra-feedback-option:visible").click()
+        page.wait_for_function("() => document.querySelector('#chat .message-row').classList.contains('pinned')",
+                               timeout=WAIT_MS)
+        assert page.evaluate(pinned_rows) == [True, False]
+        assert "pinned · never evicted" in page.evaluate(
+            "() => getComputedStyle(document.querySelector('#chat .message-row.pinned .message-content'), '::after')"
+            ".content")
+        assert menu_of(page, 0) == ("Pinned: never evicted (open for Unpin)", ["Unpin"])
+        assert menu_of(page, 1)[1] == ["Pin (never evict)"]  # the reply is not pinned
+        shot(page, "pinned-1280", tmp_path)
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.wait_for_timeout(500)
+        shot(page, "pinned-390", tmp_path)
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.reload()
+        wait_for_the_page_load(page)
+        page.wait_for_function(f"() => JSON.stringify(({pinned_rows})()) === '[true,false]'", timeout=WAIT_MS)
+        page.locator("#chat .message-buttons").first.locator(".extra-feedback > button").hover()
+        page.locator("#chat .message-buttons").first.locator(".extra-feedback-option:visible").click()  # Unpin
+        page.wait_for_function(f"() => JSON.stringify(({pinned_rows})()) === '[false,false]'", timeout=WAIT_MS)
+        assert menu_of(page, 0) == ("Pin: never evict this message", ["Pin (never evict)"])
+        assert "pinned (never evicted)" not in page.inner_text("#stats")
+        # a pin refused (no room) leaves the menu offering Pin, and Pin asked again is a pin again
+        # (the Chatbot, remembering the last click, sends it as "no choice": never as an Unpin)
+        send_and_settle(page, "A message far too long to be pinned beside the recent window of this cache.")
+        asked = []
+        original = ChatSession.pin
+        monkeypatch.setattr(ChatSession, "pin", lambda self, turn, pinned=True: asked.append((turn, pinned)) or
+                            original(self, turn, pinned))
+        for times in (1, 2):
+            page.wait_for_timeout(1000 * OnePerClick.WINDOW_S + 100)  # sooner, a click is taken for the last one's copy
+            assert menu_of(page, 2)[1] == ["Pin (never evict)"]
+            page.locator("#chat .message-buttons").nth(2).locator(".extra-feedback-option:visible").click()
+            for _ in deadline(60):
+                if len(asked) >= times:
+                    break
+            page.wait_for_function("() => [...document.querySelectorAll('.toast-wrap .toast-item')].some(e => "
+                                   "e.innerText.includes('raise the budget or lower the recent window'))",
+                                   timeout=WAIT_MS)
+        assert asked == [(2, True), (2, True)]  # each click a pin (its copy dropped), never an unpin
+        assert page.evaluate(pinned_rows) == [False, False, False, False]
+    finally:
+        context.close()
+
+
+def test_delete_asks_first_then_removes_the_conversation_and_leaves_a_new_chat(browser, short_app, tmp_path):
+    url, demo = short_app
+    data = demo.h2o_app.data_dir
+    context, page = open_page(browser, url)
+    try:
+        send_and_settle(page, "Delete me afterwards")
+        (doomed,) = [i for i in store.list_ids(data) if store.read(data, i).messages[0].content == "Delete me afterwards"]
+        page.get_by_text("Saved conversations and export").click()
+        page.click("#delete")  # nothing picked in the list: the open conversation
+        page.locator("#confirm-delete").wait_for(state="visible", timeout=WAIT_MS)
+        assert "Delete Delete me afterwards" in page.inner_text("#confirm-delete")
+        page.locator("#confirm-delete").scroll_into_view_if_needed()
+        shot(page, "delete-confirm-1280", tmp_path)
+        page.click("#cancel-delete")  # changed my mind: nothing happens
+        page.locator("#confirm-delete").wait_for(state="hidden", timeout=WAIT_MS)
+        assert doomed in store.list_ids(data) and users(page) == ["Delete me afterwards"]
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.click("#delete")
+        page.locator("#confirm-delete").wait_for(state="visible", timeout=WAIT_MS)
+        page.locator("#confirm-delete").scroll_into_view_if_needed()
+        shot(page, "delete-confirm-390", tmp_path)
+        page.click("#confirm-delete-btn")
+        page.wait_for_function("() => document.querySelectorAll('#chat .message-row').length === 0", timeout=WAIT_MS)
+        page.wait_for_function("() => document.querySelector('#stats').innerText.includes('Send a message')",
+                               timeout=WAIT_MS)
+        assert doomed not in store.list_ids(data) and not list(Path(data).glob(f".{doomed}.*"))
+        assert demo.h2o_app.live.get(doomed) is None
+        picker = page.locator("#saved input")
+        page.locator("#message textarea").click()
+        picker.click()
+        options = page.locator(f"#{picker.get_attribute('aria-controls')}").get_by_role("option").all_inner_texts()
+        assert not any("Delete me afterwards" in o for o in options)
+        page.reload()  # the browser forgot it too: a reload shows a new chat, not an error
+        wait_for_the_page_load(page)
+        assert users(page) == [] and toasts(page, "no saved session") == 0
+    finally:
+        context.close()
+
+
+def test_the_saved_list_shows_a_new_live_v1_story_without_a_reload(browser, tmp_path):
+    # issue 34: the list never showed a new live /v1 story on an open page, only after a reload
+    import openai
+
+    with live_app(tmp_path / "data", cache=CACHE, api=True, temperature=0, max_new_tokens=8) as (url, demo):
+        context, page = open_page(browser, url)
+        try:
+            page.get_by_text("Saved conversations and export").click()
+            picker = page.locator("#saved input")
+            picker.click()  # the list is open, and stays open while the story starts elsewhere
+            listbox = page.locator(f"#{picker.get_attribute('aria-controls')}")
+            assert not any("live /v1" in o for o in listbox.get_by_role("option").all_inner_texts())
+            client = openai.OpenAI(base_url=url + "v1", api_key="x", default_headers={"User-Agent": "SillyTavern/1.12"})
+            client.chat.completions.create(model="h2o-chat", max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "Ada keeps the lighthouse."}])
+            listbox.get_by_role("option").filter(has_text="● live /v1 · SillyTavern · Ada keeps the lighthouse.") \
+                .first.wait_for(timeout=30_000)  # within a few seconds, no reload, the list still open
+        finally:
+            context.close()
+
+
+def test_the_page_fits_at_390_px(browser, short_app, tmp_path):
+    # issue 34: at 390 px the heavy-hitter table's last column was cut and the box's placeholder
+    # wrapped with its second line cut
+    context, page = open_page(browser, short_app[0], 390, 844)
+    try:
+        width, room = page.evaluate("""() => { const t = document.querySelector('#message textarea');
+            const s = getComputedStyle(t), c = document.createElement('canvas').getContext('2d'); c.font = s.font;
+            return [c.measureText(t.placeholder).width,
+                    t.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight)]; }""")
+        assert width <= room, (width, room)  # the placeholder is one whole line
+        send_and_settle(page, "Tell me a story about the lighthouse keeper and her long nights.")
+        page.locator("#heavy").scroll_into_view_if_needed()
+        cut = page.evaluate("""() => { const box = document.querySelector('#heavy').getBoundingClientRect();
+            return [...document.querySelectorAll('#heavy th, #heavy td')].filter(c => {
+              const r = c.getBoundingClientRect(); return r.width && (r.right > box.right + 0.5 || r.left < box.left - 0.5
+                || c.scrollWidth > c.clientWidth + 1); }).map(c => c.innerText); }""")
+        assert cut == [], cut
+        shot(page, "page-390", tmp_path, full_page=True)
     finally:
         context.close()

@@ -43,7 +43,7 @@ def test_settings_are_checked_where_they_are_declared():
         sampling({"temprature": 1})
     with pytest.raises(ValueError, match="unknown cache setting 'budgett'"):
         cache_config({"budgett": 1})
-    with pytest.raises(ValueError, match="temperature must be in"):
+    with pytest.raises(ValueError, match="temperature must be from 0 to 5"):
         Sampling(temperature=9)
     assert sampling({"top_k": 3}, base=Sampling(temperature=0.1)) == Sampling(temperature=0.1, top_k=3)
 

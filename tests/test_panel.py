@@ -144,8 +144,8 @@ def test_a_layer_with_all_heads_shows_that_layers_union(session):
 
 def test_counts_and_heavy_table_follow_the_view(session):
     ret = session.ledger.retention(session.cache)
-    one = draw.counts(ret, layer=0, head=1)
-    assert sum(n for s, n in one.items() if s != "evicted") == 48  # exactly one head's slots
+    one = draw.slot_counts(ret, layer=0, head=1)
+    assert sum(one.values()) == 48  # exactly one head's slots
     rows = draw.top_heavy(session.ledger, ret, layer=0, head=1, k=50)
     held = set(session.cache.token_ids(0)[0, 1].tolist())
     assert rows and all(r["index"] in held and r["heads"] == "1/1" for r in rows)
@@ -170,10 +170,14 @@ def test_the_retention_map_has_one_row_per_layer_and_shows_the_pattern(session):
     image = Image.open(BytesIO(draw.retention_png(ret)))
     n_layers, _, n = ret["kept"].shape
     assert image.size == (min(n, draw.MAP_COLUMNS), n_layers * draw.MAP_ROW_PX)
-    pixels = image.convert("L").load()
-    first, last, row = pixels[0, 0], pixels[image.size[0] - 1, 0], 0
-    assert first < 100 and last < 100  # sinks and the recent window: kept by every head (dark)
-    assert max(pixels[x, row] for x in range(image.size[0])) == 255  # somewhere evicted by every head (white)
+    pixels = image.convert("RGB").load()
+    width = image.size[0]
+    # sinks and the recent window: kept by every head, so drawn in the token map's own colours, whole
+    assert pixels[0, 0] == draw._hex_to_rgb(draw.COLORS["sink"])
+    assert pixels[width - 1, 0] == draw._hex_to_rgb(draw.COLORS["recent"])
+    assert (255, 255, 255) in {pixels[x, 0] for x in range(width)}  # somewhere evicted by every head (white)
+    # issue 34: blue meant "recent" in the token map and "kept by all heads" here; now a colour is one status
+    assert "the colours are the token map's" in draw.retention_map_html(ret)
     assert "layer 0 → " in draw.retention_map_html(ret) and "token position 0 → " in draw.retention_map_html(ret)
 
 
@@ -224,3 +228,48 @@ def test_the_stats_call_a_pin_never_evicted_only_when_every_head_holds_it(tiny_c
     s.cache.set_pins(s._pins(s._segments()))
     stats = draw.panel(s, maps=False)["stats"]
     assert " · pinned (never evicted): message 1 · pinned, not whole: message 3 (" in stats
+
+
+def union_of_kept(session):
+    """The tokens some layer and KV head of the cache holds, read off the cache itself."""
+    return set().union(*(set(session.cache.token_ids(layer)[0].flatten().tolist())
+                         for layer in range(len(session.cache.layers))))
+
+
+def test_the_stats_of_every_head_add_up_to_the_budget_and_say_what_they_count(tiny_chat):
+    # issue 34: "4 sink, 103 pinned, 4 heavy, 48 recent, 576 kept" with budget 192 counted tokens
+    # some head keeps; now a head's slots by status (they add up to its slots), and the tokens apart
+    model, tok = tiny_chat  # score "mean": on this tiny model the heads then keep different tokens
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="mean"),
+                          temperature=0, max_new_tokens=20)
+    for text in TURNS * 2:
+        "".join(session.send(text))
+    ret = session.ledger.retention(session.cache)
+    slots = draw.slot_counts(ret)
+    assert slots == {"sink": 2, "heavy": 30, "recent": 16}  # budget 48: 2 sinks, 16 recent, the rest heavy
+    assert sum(slots.values()) == session.stats["slots_used"] == 48
+    some, none = draw.kept_anywhere(ret)
+    assert some == len(union_of_kept(session)) and some + none == len(session.ledger)
+    assert some > 48  # the heads keep different heavy hitters: the union is more than one head's slots
+    text = draw.stats_markdown(session.stats, ret)
+    assert (f"In all layers and heads: each KV head's 48 slots hold on average 2 sink · 30 heavy · 16 recent; "
+            f"{some:,} tokens are kept by at least one head, {none:,} by none") in text
+    one = draw.stats_markdown(session.stats, ret, 1, 0)
+    assert f"In layer 1, head 0: its 48 slots hold 2 sink · 30 heavy · 16 recent; {len(session.ledger) - 48:,} " \
+           "tokens evicted" in one
+
+
+def test_pinned_slots_are_counted_as_pinned(tiny_chat):
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=80, n_sink=2, n_recent=16), temperature=0,
+                    max_new_tokens=20)
+    for text in TURNS:
+        "".join(s.send(text))
+    s.pin(0)
+    slots = draw.slot_counts(s.ledger.retention(s.cache))
+    assert slots["pinned"] == len(TURNS[0]) and sum(slots.values()) == 80  # the message's characters, in every head
+
+
+def test_apportion_keeps_the_total():
+    assert draw.apportion({"a": 1.5, "b": 1.5, "c": 45.0}) in ({"a": 2, "b": 1, "c": 45}, {"a": 1, "b": 2, "c": 45})
+    assert draw.apportion({"a": 0.2, "b": 47.8}) == {"b": 48}

@@ -629,8 +629,8 @@ def test_a_session_behind_the_saved_copy_catches_up_feeding_only_the_new_turns(t
     pytest.param(lambda s: s.pin("1"), "no message '1'", id="pin-text"),
     pytest.param(lambda s: s.pin(7), "no message 7", id="pin-out-of-range"),
     pytest.param(lambda s: s.pin(0, pinned="yes"), "pinned must be True or False", id="pin-flag-text"),
-    pytest.param(lambda s: s.configure(cache=dict(budget=4, n_sink=2, n_recent=8)), "exceeds the budget",
-                 id="impossible-budget"),
+    pytest.param(lambda s: s.configure(cache=dict(budget=4, n_sink=2, n_recent=8)),
+                 "cannot hold 2 sinks and a recent window of 8", id="impossible-budget"),
 ])
 def test_odd_values_are_refused_with_a_sentence_and_change_nothing(tiny_chat, tmp_path, action, match):
     model, tok = tiny_chat

@@ -146,4 +146,16 @@ def test_no_id_names_a_file_outside_the_folder(tmp_path, bad_id):
         store.write(folder, Conversation(id=bad_id))
     with pytest.raises(ValueError, match="invalid session id"):
         store.read(folder, bad_id)
+    with pytest.raises(ValueError, match="invalid session id"):
+        store.delete(folder, bad_id)
     assert list(tmp_path.rglob("*")) == []
+
+
+def test_delete_removes_the_conversation_and_its_lock_and_nothing_else(tmp_path):
+    gone, kept = saved(tmp_path, "delete me"), saved(tmp_path, "keep me")
+    assert {p.name for p in tmp_path.iterdir()} == {f"{gone.id}.json", f".{gone.id}.lock", f"{kept.id}.json",
+                                                    f".{kept.id}.lock"}
+    store.delete(tmp_path, gone.id)
+    assert {p.name for p in tmp_path.iterdir()} == {f"{kept.id}.json", f".{kept.id}.lock"}
+    assert [s.id for s in store.summaries(tmp_path)] == [kept.id]
+    store.delete(tmp_path, gone.id)  # already gone: nothing to do, no error

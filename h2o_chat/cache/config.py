@@ -22,24 +22,53 @@ def setting(default, help, label=None, choices=None, low=None, high=None, low_op
                                                 low_open=low_open, integer=integer))
 
 
-def check_number(name, value, low=None, high=None, integer=False, low_open=False):
+class SettingError(ValueError):
+    """A setting refused: `name` is its field ("max_new_tokens"), `rule` what it must be ("must be at
+    least 1, got -5"). It reads as a sentence with the setting in words ("max new tokens must be at
+    least 1, got -5"); a caller with its own names for the fields (the API's max_tokens) says
+    f"{its name} {rule}"."""
+
+    def __init__(self, name, rule, words=None):
+        super().__init__(f"{words or name} {rule}")
+        self.name, self.rule = name, rule
+
+
+def in_words(f):
+    """A settings field's name as a sentence says it: its page label without the note
+    ("Budget (slots)" -> "budget", "Max new tokens" -> "max new tokens"), else its name spaced."""
+    label = (f.metadata.get("label") or f.name.replace("_", " ")).split(" (")[0]
+    return label[:1].lower() + label[1:]
+
+
+def bounds_rule(low=None, high=None, low_open=False):
+    """What a number within the bounds must be, in words: "must be at least 1", "must be from 0 to 5",
+    "must be more than 0 and at most 1"."""
+    above = f"more than {low}" if low_open else f"at least {low}"
+    if high is None:
+        return f"must be {above}"
+    if low is None:
+        return f"must be at most {high}"
+    return f"must be {above} and at most {high}" if low_open else f"must be from {low} to {high}"
+
+
+def check_number(name, value, low=None, high=None, integer=False, low_open=False, words=None):
     """A real number (bools, text, NaN refused) within [low, high] ((low, high] with low_open); a
-    whole one when `integer`, returned as an int. ValueError naming `name` otherwise."""
+    whole one when `integer`, returned as an int. SettingError naming `name` (said as `words`) otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise SettingError(name, f"must be a number, got {value!r}", words)
     if integer:
         if not isinstance(value, numbers.Integral) and not float(value).is_integer():
-            raise ValueError(f"{name} must be a whole number, got {value!r}")
+            raise SettingError(name, f"must be a whole number, got {value!r}", words)
         value = int(value)
     if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
-        bounds = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}]"
-        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+        raise SettingError(name, f"{bounds_rule(low, high, low_open)}, got {value!r}", words)
     return value
 
 
 def check_fields(obj, names=None):
     """Check (and normalise: whole floats of integer fields become ints) the fields of the
-    dataclass `obj` that declare choices or bounds; `names` limits it to those."""
+    dataclass `obj` that declare choices or bounds; `names` limits it to those. A number out of its
+    bounds is a SettingError that says the field in words."""
     for f in fields(obj):
         meta, value = f.metadata, getattr(obj, f.name)
         if not meta or (names is not None and f.name not in names) or value is None and f.default is None:
@@ -49,7 +78,7 @@ def check_fields(obj, names=None):
                 raise ValueError(f"unknown {f.name} {value!r}; choose one of {', '.join(meta['choices'])}")
         elif meta["low"] is not None or meta["high"] is not None or meta["integer"]:
             setattr(obj, f.name, check_number(f.name, value, meta["low"], meta["high"], meta["integer"],
-                                              meta["low_open"]))
+                                              meta["low_open"], in_words(f)))
 
 
 def nearest_allowed(cls, values):
@@ -145,8 +174,9 @@ class CacheConfig:
     Raises
     ------
     ValueError
-        An unknown choice, a budget that is not positive (or not a number), negative counts, or
-        `n_sink + n_recent` over an int budget.
+        An unknown choice; a `SettingError` (a ValueError naming the setting in words) for a budget
+        that is not positive (or not a number), negative counts, or `n_sink + n_recent` over an
+        int budget.
     """
 
     policy: str = setting("h2o", "h2o: heavy hitters + newest; sink: sinks + newest (StreamingLLM); window: newest "
@@ -163,29 +193,24 @@ class CacheConfig:
     prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
 
     def __post_init__(self):
-        try:
-            check_fields(self)
-        except ValueError as e:
-            raise ValueError(f"H2OCache: {e}") from None
-
-        def bad(msg):
-            raise ValueError(f"H2OCache: {msg}")
-
+        check_fields(self)
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
-            bad(f"budget must be a number of slots or a fraction in (0, 1), got {b!r}")
+            raise SettingError("budget", f"must be a number of slots or a fraction in (0, 1), got {b!r}")
         if b <= 0:
-            bad(f"budget must be positive, got {b!r}")
+            raise SettingError("budget", f"must be positive, got {b!r}")
         if isinstance(b, float):
             if b.is_integer():
                 self.budget = b = int(b)
             elif not _is_fraction(b):
-                bad(f"budget must be a whole number of slots or a fraction in (0, 1), got {b!r}")
+                raise SettingError("budget", f"must be a whole number of slots or a fraction in (0, 1), got {b!r}")
         r = self.n_recent
         if isinstance(r, float) and not (_is_fraction(r) and _is_fraction(b)):
-            bad(f"n_recent may be a fraction only when budget is one too, got {r!r}")
+            raise SettingError("n_recent", f"may be a fraction only when the budget is one too, got {r!r}",
+                               "the recent window")
         if isinstance(b, int) and self.policy != "full" and self.n_sink_effective + (r or 0) > b:
-            bad(f"n_sink + n_recent ({self.n_sink_effective} + {r}) exceeds the budget ({b})")
+            held = f"{self.n_sink_effective} sinks" + ("" if r is None else f" and a recent window of {r}")
+            raise SettingError("budget", f"({b}) cannot hold {held}", "the budget")
 
     @property
     def n_sink_effective(self) -> int:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from fastapi.responses import JSONResponse
 
-from ..cache.config import APP_FIELDS
+from ..cache.config import APP_FIELDS, SettingError
 from ..chat.conversation import Sampling, cache_config, check_tools
 from ..chat.session import check_text
 
@@ -310,9 +310,10 @@ def read_sampling(body, names=None):
             checked["max_new_tokens"] = None
         return checked
     except (TypeError, ValueError) as e:
-        name = str(e).split(" ")[0].split("[")[0]
-        name = {"max_new_tokens": "max_tokens"}.get(name, name)
-        raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"), name) from None
+        field = (e.name if isinstance(e, SettingError) else str(e).split(" ")[0]).split("[")[0]
+        name = names.get(field) or {"max_new_tokens": "max_tokens"}.get(field, field)  # the body's own name
+        said = f"{e.name.replace(field, name, 1)} {e.rule}" if isinstance(e, SettingError) else str(e)
+        raise ApiError(400, said.replace("max_new_tokens", "max_tokens"), name) from None
 
 
 def read_choices(body):
@@ -359,6 +360,8 @@ def read_cache(body, defaults, n_system, n_chat):
     cache = dict(defaults, **{k: v for k, v in ext.items() if k != "pinned"})
     try:
         cache_config(cache)  # checked with the rest of the body: a 400 before a worker starts
+    except SettingError as e:
+        raise ApiError(400, f"h2o.{e.name} {e.rule}", "h2o") from None
     except ValueError as e:
         raise ApiError(400, str(e), "h2o") from None
     pinned = ext.get("pinned") or []

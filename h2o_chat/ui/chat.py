@@ -1,10 +1,16 @@
 """The chat column: the Chatbot with its own per-message actions (edit, retry, undo, copy and a
-Pin / Unpin flag), the message box (Enter sends, Shift+Enter makes a new line), Stop, Continue
-and New chat, and the callbacks that stream a reply into the tab.
+pin flag whose menu offers Pin or Unpin, as the message is), the message box (Enter sends,
+Shift+Enter makes a new line), Stop, Continue and New chat, and the callbacks that stream a
+reply into the tab.
 
 Sending is two steps: in the browser, Enter moves the text out of the box at once (no server
 round trip, so nothing typed after Enter is lost), then `reply` streams on the server and
 never touches the box again, except to put back a message the session refuses (with a warning).
+
+Tabs on one conversation share its one session (App.live). A message sent while that session
+writes a reply (from this tab or another) is refused with a sentence and goes back into the box;
+an action on a message (edit, retry, undo, pin) from a tab whose drawing is older than the
+conversation (another tab changed it since) is refused too, and the tab shows it as it is now.
 """
 
 import threading
@@ -13,10 +19,14 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from .state import CHAT_EVERY_S, PANEL_EVERY_S, Watched, replaying, warn
+from .state import CHAT_EVERY_S, PANEL_EVERY_S, Watched, chat_view, prefill_notice, replaying, warn
 
 PIN, UNPIN = "Pin (never evict)", "Unpin"
 LABEL = "h2o-chat"
+PLACEHOLDER = "Message (Enter sends, Shift+Enter: new line)"
+READ_ONLY = "Read-only: New chat or Restore to write"
+BUSY = ("A reply is being written in this conversation (here or in another tab): your message is back in the "
+        "box. Send it once that reply has ended, or Stop it.")
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
 # box as it was when Enter went down (assets/app.js); keys typed since then stay in the box.
 SEND_JS = """(text) => {
@@ -31,6 +41,7 @@ SEND_JS = """(text) => {
 @dataclass
 class Chat:
     chatbot: gr.Chatbot
+    marks: gr.HTML  # what the page's script marks on the messages (assets/app.js): which are pinned
     text: gr.Textbox
     send_btn: gr.Button
     stop_btn: gr.Button
@@ -41,14 +52,15 @@ class Chat:
 def build():
     chatbot = gr.Chatbot(label=LABEL, height=520, buttons=["copy"], editable="all", elem_id="chat",
                          feedback_options=(PIN, UNPIN), like_user_message=True, autoscroll=True)
-    text = gr.Textbox(placeholder="Message (Enter sends, Shift+Enter makes a new line)", show_label=False,
-                      lines=1, max_lines=10, elem_id="message", autofocus=True)
+    marks = gr.HTML(marks_html(None), elem_id="chat-marks", padding=False)
+    text = gr.Textbox(placeholder=PLACEHOLDER, show_label=False, lines=1, max_lines=10, elem_id="message",
+                      autofocus=True)
     with gr.Row():
         send_btn = gr.Button("Send", variant="primary", elem_id="send", min_width=80)
         stop_btn = gr.Button("Stop", elem_id="stop", min_width=80)
         cont_btn = gr.Button("Continue", elem_id="continue", min_width=80)
         new_btn = gr.Button("New chat", elem_id="new-chat", min_width=80)
-    return Chat(chatbot, text, send_btn, stop_btn, cont_btn, new_btn)
+    return Chat(chatbot, marks, text, send_btn, stop_btn, cont_btn, new_btn)
 
 
 def label(session):
@@ -56,6 +68,38 @@ def label(session):
     if isinstance(session, Watched):
         return f"Watching /v1 · {session.client or 'an API client'} · read-only"
     return LABEL
+
+
+def marks_html(session):
+    """The messages' state for the page's script (assets/app.js), which marks each pinned message
+    and names its flag and menu after it: the indices of the pinned messages."""
+    pinned = pinned_messages(session)
+    return f'<div class="chat-marks" data-pinned="{" ".join(map(str, pinned))}"></div>'
+
+
+def pinned_messages(session):
+    """The indices of the pinned messages (what marks_html shows)."""
+    return [i for i, m in enumerate(session.messages) if m.pinned] if session is not None else []
+
+
+def controls(c, session, chat=None):
+    """What the chat column lets a user do with `session`, {component: update}: everything, or,
+    for a watched /v1 conversation (read-only), nothing that would write: its box, Send, Stop,
+    Continue, and each message's edit, retry, undo and pin flag are disabled (the chat's
+    `read-only` class hides the last three: the Chatbot has no switch for them). chat: the
+    Chatbot's value too (else it keeps its own)."""
+    watched = isinstance(session, Watched)
+    value = {} if chat is None else {"value": chat}
+    return {c.chatbot: gr.Chatbot(label=label(session), editable=None if watched else "all",
+                                  elem_classes=["read-only"] if watched else [], **value),
+            c.text: gr.Textbox(interactive=not watched, placeholder=READ_ONLY if watched else PLACEHOLDER),
+            **{button: gr.Button(interactive=not watched) for button in controlled(c)[2:]}}
+
+
+def controlled(c):
+    """The components `controls` updates, in its order (named here: a gr.Chatbot() made while the
+    page is built would be a new one on the page)."""
+    return [c.chatbot, c.text, c.send_btn, c.stop_btn, c.cont_btn]
 
 
 def message_text(value):
@@ -91,9 +135,15 @@ class OnePerClick:
             return last is None or last[0] != what or now - last[1] >= self.WINDOW_S
 
 
-def pin_wanted(liked):
-    """The Chatbot's feedback value -> pin (True) or unpin (False)."""
-    return liked in (True, PIN)
+def pin_wanted(liked, turn=None, shown_pinned=()):
+    """What a click on a message's flag menu asks: pin (True) or unpin (False). The option clicked
+    says it; None means the Chatbot remembered that same option as this message's last click
+    (a refused pin asked again) and took the click back: then it is the one option the menu
+    showed, the other state than the tab drew (`shown_pinned`, Tab.streamed). Never a flip of
+    the state now: Gradio sends a click twice, and the copy must ask the same."""
+    if liked in (True, False, PIN, UNPIN):
+        return liked in (True, PIN)
+    return turn not in shown_pinned
 
 
 def stream_into(tab, session, state, stream, saved):
@@ -128,44 +178,63 @@ CHANGED_ELSEWHERE = ("This conversation was changed in another tab; here it is a
 
 
 def caught_up(session, progress=None):
-    """Two tabs on one conversation share it: before acting, a tab whose copy is older than the
-    saved one takes the saved one (only what differs is fed). True when it did."""
+    """Another process (a second server on the same data folder) may have saved this conversation
+    since: a session older than the saved copy takes it first (only what differs is fed). True
+    when it did. (Tabs of this server share one session: they need nothing of this.)"""
     if session is None:
         return False
-    with replaying(session, progress, "Catching up with another tab"):
+    with replaying(session, progress, "Catching up with the saved conversation"):
         return session.catch_up()
 
 
-def ensure_session(app, tab, session, conversation_id, progress=None):
-    """The tab's session, caught up with other tabs on its conversation (a message is then sent
-    after theirs); a tab whose server restarted has none: reopen the conversation the browser
-    remembers (a replay), or start a new one."""
-    if session is not None:
-        caught_up(session, progress)
-        return session
-    if app.is_saved(conversation_id):
-        return app.open(conversation_id, progress)
-    return app.new_session()
+def ensure_session(app, tab, session, conversation_id, state, progress=None):
+    """The session a message goes to: the live one of the conversation the tab shows, caught up
+    with what another process saved; a tab whose server restarted has none: the conversation
+    the browser remembers (the live one, or opened), else a new chat."""
+    if session is None:
+        return app.attach(state.get("tab"), conversation_id, progress)
+    session = tab.held(session, state, progress)
+    caught_up(session, progress)
+    return session
+
+
+def measured(app, session):
+    """Record the prefill speed a finished reply showed (its prompt tokens computed, and the time
+    to its first token): what the next long message's estimate is made from."""
+    turn = session.last_turn if not isinstance(session, Watched) else None
+    if turn is not None and turn.first_at is not None:
+        app.prefill.record(turn.prompt_computed, turn.ttft_s)
 
 
 def reply(app, tab, message, session, conversation_id, state, progress=None):
     """Step 2 of a send: yield the tab's updates while the reply to `message` streams. The message
     box is left alone, except that a message the session refuses (empty, too long, out of memory
-    while reading it) goes back into it (the last update then carries the box)."""
+    while reading it, a reply already being written) goes back into it (the last update then
+    carries the box). A message whose prefill takes a while here says so first (prefill_notice)."""
     box = tab.chat.text
     try:
-        session = ensure_session(app, tab, session, conversation_id, progress)
+        session = ensure_session(app, tab, session, conversation_id, state, progress)
+        if session.busy:  # the session would refuse it too; this says why, for a user of two tabs
+            raise ValueError(BUSY)
         n_before = len(session.messages)
         stream = session.send(message)
     except ValueError as e:
         warn(e)
         yield {box: message, **tab.streamed(session, state)}
         return
-    last = None
-    for update in stream_into(tab, session, state, stream, saved=True):
+    updates = stream_into(tab, session, state, stream, saved=True)
+    # at once: the message in the chat, "waiting for the first token" (the session takes the
+    # message when its prefill starts, and shows it with the reply's first piece)
+    yield {**next(updates), tab.chat.chatbot: chat_view(session, sending=message)}
+    notice = prefill_notice(app, message)
+    if notice:
+        gr.Info(notice)
+    last = None  # each update is held until the next: the last one carries the box if it is taken back
+    for update in updates:
         if last is not None:
             yield last
         last = update
+    measured(app, session)
     taken_back = len(session.messages) == n_before  # the session could not even read it
     yield {box: message, **last} if taken_back else last
 
@@ -179,13 +248,24 @@ def send_whole(app, tab, text, session, state, box):
         yield {**update, box: message if refused else ""}
 
 
-def act(tab, session, state, action):
+def changed_elsewhere(tab, session, state, progress=None):
+    """The session to act on, and whether the tab's drawing of it is older than it (another tab, or
+    another process, changed the conversation since): the message acted on may not be the one
+    the tab showed, so the action is refused and the tab shows the conversation as it is now."""
+    session = tab.held(session, state, progress)
+    if isinstance(session, Watched) or session.busy:
+        return session, False  # its own refusal says what to do: read-only, or a reply being written
+    return session, caught_up(session, progress) or tab.stale(session, state)
+
+
+def act(tab, session, state, action, progress=None):
     """Run a non-streaming action on the session; a ValueError is a warning that changes nothing."""
     if session is None or (not session.messages):
         warn("Nothing to do yet: send a message first.")
         return tab.streamed(session, state, saved=False)
     try:
-        if caught_up(session):  # the message acted on may not be where the tab showed it
+        session, changed = changed_elsewhere(tab, session, state, progress)
+        if changed:
             warn(CHANGED_ELSEWHERE)
             return tab.streamed(session, state)
         action(session)
@@ -202,7 +282,8 @@ def run_stream(tab, session, state, start):
         yield tab.streamed(session, state, saved=False)
         return
     try:
-        if caught_up(session):  # the last reply is maybe not the one the tab showed
+        session, changed = changed_elsewhere(tab, session, state)
+        if changed:  # the last reply is maybe not the one the tab showed
             warn(CHANGED_ELSEWHERE)
             yield tab.streamed(session, state)
             return
@@ -212,6 +293,7 @@ def run_stream(tab, session, state, start):
         yield tab.streamed(session, state, saved=False)
         return
     yield from stream_into(tab, session, state, stream, saved=True)
+    measured(tab.app, session)
 
 
 def edit(tab, session, state, turn, text):
@@ -220,12 +302,12 @@ def edit(tab, session, state, turn, text):
 
 
 def pin(tab, session, state, turn, pinned, progress=None):
-    """A message pinned after some of its tokens were evicted is fed again before the pin is set:
-    `progress` shows that replay."""
+    """Pin (or, pinned False, unpin) message `turn`. A message pinned after some of its tokens
+    were evicted is fed again before the pin is set: `progress` shows that replay."""
     def pin_it(s):
         with replaying(s, progress, "Bringing the pinned message back into every head"):
             s.pin(_turn(turn), pinned=pin_wanted(pinned))
-    return act(tab, session, state, pin_it)
+    return act(tab, session, state, pin_it, progress)
 
 
 def _turn(turn):
@@ -271,7 +353,8 @@ def wire(app, tab, c, session, conversation_id, state):
         anything typed there since), to edit and send again."""
         before = list(session.messages) if session is not None else []
         shown = act(tab, session, state, lambda s: s.undo())
-        taken = [m.content for m in before[len(session.messages):] if m.role == "user"] if session is not None else []
+        after = shown[tab.session].messages if shown.get(tab.session) is not None else before
+        taken = [m.content for m in before[len(after):] if m.role == "user"]
         if taken:
             shown[c.text] = taken[-1] + (f"\n\n{typed}" if typed and typed.strip() else "")
         return shown
@@ -280,7 +363,8 @@ def wire(app, tab, c, session, conversation_id, state):
         """An edit refused (too long, no longer fitting its pin) leaves the message as it was: the
         text typed in the edit goes to the box, so nothing typed is lost."""
         shown = edit(tab, session, state, data.index, data.value)
-        text, messages = message_text(data.value), session.messages if session is not None else []
+        text = message_text(data.value)
+        messages = shown[tab.session].messages if shown.get(tab.session) is not None else []
         index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
         kept = isinstance(index, int) and 0 <= index < len(messages) and messages[index].content == text
         if isinstance(text, str) and text.strip() and not kept:
@@ -292,14 +376,17 @@ def wire(app, tab, c, session, conversation_id, state):
     def liked(session, state, data: gr.LikeData, request: gr.Request, progress=gr.Progress()):
         if not one_per_click.first(request.session_hash, (str(data.index), str(data.liked))):
             return {tab.session: gr.skip()}  # the same click's second copy (see OnePerClick): nothing changes
-        return pin(tab, session, state, data.index, data.liked, progress)
+        index = data.index[0] if isinstance(data.index, (list, tuple)) else data.index
+        return pin(tab, session, state, data.index, pin_wanted(data.liked, index, state.get("pinned", ())), progress)
 
     streams = dict(inputs=[session, state], outputs=tab.live_outputs(), **limit, api_visibility="private")
     tab.charts_after(tab.charts_after(c.chatbot.retry(retried, **streams)))
     tab.charts_after(tab.charts_after(c.cont_btn.click(continued, **streams)))
-    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private")
+    # a replay's progress bar (a pin brings evicted tokens back), or Gradio's "pending", once, over the chat
+    one_bar = dict(show_progress_on=c.chatbot)
+    io = dict(inputs=[session, state], outputs=tab.streamed_outputs(), **limit, api_visibility="private", **one_bar)
     tab.charts_after(c.chatbot.undo(undone, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
-                                    **limit, api_visibility="private"))
+                                    **limit, api_visibility="private", **one_bar))
     tab.charts_after(c.chatbot.edit(edited, inputs=[session, state, c.text], outputs=[*tab.streamed_outputs(), c.text],
-                                    **limit, api_visibility="private"))
+                                    **limit, api_visibility="private", **one_bar))
     tab.charts_after(c.chatbot.like(liked, **io))

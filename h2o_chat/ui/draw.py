@@ -142,17 +142,18 @@ def legend_html(policy=CacheConfig.policy):
 
 def retention_png(retention, columns=MAP_COLUMNS):
     """The layers x token-position map as PNG bytes: row = layer (0 at the top), column = token
-    (binned to `columns` when longer), darkness = the share of that layer's KV heads keeping it.
-    Sinks show as a solid column at the left, the recent window as a solid band at the right,
-    heavy hitters as sparse stripes in between."""
+    (binned to `columns` when longer), colour = the token's status in the token map's colours,
+    its strength = the share of that layer's KV heads keeping it (white: none). Sinks show as a
+    solid column at the left, the recent window as a solid band at the right, heavy hitters as
+    sparse stripes in between, pinned messages as solid bands."""
     share = retention["kept"].float().mean(dim=1)  # [layers, tokens]
+    ink = torch.tensor([_hex_to_rgb(COLORS[s]) for s in retention["status"]], dtype=torch.float32)  # [tokens, 3]
+    rgb = 255 - share[..., None] * (255 - ink)  # [layers, tokens, 3]: white (no head) -> the status colour (all)
     n_layers, n = share.shape
-    if n > columns:  # mean over equal bins of tokens: a bin's darkness is its tokens' average share
+    if n > columns:  # mean over equal bins of tokens: a bin's colour is its tokens' average
         edges = torch.linspace(0, n, columns + 1).round().long()
-        sums = torch.nn.functional.pad(share.cumsum(dim=1), (1, 0))
-        share = (sums[:, edges[1:]] - sums[:, edges[:-1]]) / (edges[1:] - edges[:-1]).clamp(min=1)
-    ink = torch.tensor(_hex_to_rgb("#0072B2"), dtype=torch.float32)
-    rgb = 255 - share[..., None] * (255 - ink)  # white (evicted everywhere) -> blue (kept by every head)
+        sums = torch.nn.functional.pad(rgb.cumsum(dim=1), (0, 0, 1, 0))
+        rgb = (sums[:, edges[1:]] - sums[:, edges[:-1]]) / (edges[1:] - edges[:-1]).clamp(min=1)[:, None]
     rgb = rgb.repeat_interleave(MAP_ROW_PX, dim=0).round().to(torch.uint8)
     image = Image.frombytes("RGB", (rgb.shape[1], rgb.shape[0]), rgb.contiguous().numpy().tobytes())
     out = io.BytesIO()
@@ -168,10 +169,13 @@ def retention_map_html(retention, layer=None):
     if layer is not None:
         top = 100 * layer / n_layers
         mark = f'<div class="rmap-mark" style="top:{top:.2f}%;height:{100 / n_layers:.2f}%"></div>'
-    return (f'<div class="rmap"><p class="map-caption">Share of KV heads keeping each token, by layer '
-            f'(white: none, blue: all)</p><div class="rmap-body"><span class="rmap-y">layer 0 → {n_layers - 1}</span>'
+    return (f'<div class="rmap"><p class="map-caption">Share of KV heads keeping each token, by layer: white '
+            f'none, full colour all; the colours are the token map\'s</p><div class="rmap-body"><span class="rmap-y">layer 0 → {n_layers - 1}</span>'
             f'<div class="rmap-img"><img alt="retention map: layers by token position" src="data:image/png;base64,{data}">'
             f'{mark}</div></div><p class="rmap-x">token position 0 → {max(n - 1, 0):,}</p></div>')
+
+
+HEAVY_COLUMNS = ["token", "index", "turn", "score", "heads"]  # the heavy-hitter table's, in order
 
 
 def top_heavy(ledger, retention, layer=None, head=None, k=10):
@@ -223,12 +227,33 @@ def chart_limits(rows, column):
     return [0, top * 1.15 if top > 0 else 1]
 
 
-def counts(retention, layer=None, head=None):
-    """How many tokens of each status the view shows."""
+def slot_counts(retention, layer=None, head=None):
+    """{status: slots}: what a KV head of the view holds in its slots, on average over the view's
+    heads (one head: exactly its own), by the token's status; the counts add up to the slots each
+    head holds (the budget, once it is full). Whole numbers, rounded so that they still do."""
+    kept, _ = view_of(retention, layer, head)  # [heads in the view, tokens]
+    per_head = kept.float().mean(dim=0).tolist()  # a token's slots per head, on average: the share holding it
     found = {}
-    for status, _ in token_statuses(retention, layer, head):
-        found[status] = found.get(status, 0) + 1
-    return found
+    for status, slots in zip(retention["status"], per_head):
+        if slots:
+            found[status] = found.get(status, 0.0) + slots
+    return apportion(found)
+
+
+def apportion(amounts):
+    """{key: float} -> {key: int} adding up to the rounded total (largest remainders first)."""
+    whole = {k: int(v) for k, v in amounts.items()}
+    short = round(sum(amounts.values())) - sum(whole.values())
+    for k in sorted(amounts, key=lambda k: amounts[k] - whole[k], reverse=True)[:max(short, 0)]:
+        whole[k] += 1
+    return {k: v for k, v in whole.items() if v}
+
+
+def kept_anywhere(retention, layer=None, head=None):
+    """(tokens some head of the view keeps, tokens none keeps)."""
+    kept, _ = view_of(retention, layer, head)
+    some = int(kept.any(dim=0).sum())
+    return some, kept.shape[1] - some
 
 
 def seconds(s):
@@ -238,8 +263,6 @@ def seconds(s):
 def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=None):
     """The stats line. live: (ttft_s, tokens_per_s) of the reply streaming now, shown instead
     of the last finished turn's. weights: which weights run (models.quantize.weights_label)."""
-    found = counts(retention, layer, head)
-    kept = ", ".join(f"{found[s]:,} {s}" for s in SHOWN if found.get(s))
     saved = 1 - stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
     ttft, speed = live if live is not None else (stats["ttft_s"], stats["tokens_per_s"])
     timing = ("no reply yet since it was opened" if live is None and ttft is None else
@@ -247,10 +270,24 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=N
               f"TTFT {seconds(ttft)} · {speed:.1f} tokens/s" if speed is not None else f"TTFT {seconds(ttft)}")
     if live is not None and ttft is not None:
         timing += " · streaming"  # the figures of a reply still being written (the finished line has none)
-    where = "all layers and heads" if layer is None else f"layer {layer}" + ("" if head is None else f", head {head}")
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** (a full cache: {stats['full_kv_bytes'] / 2**20:.1f} MiB, "
-            f"{saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "") + f"\n\nIn {where}: {kept}")
+            f"{saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "")
+            + f"\n\n{view_counts(retention, layer, head)}")
+
+
+def view_counts(retention, layer=None, head=None):
+    """What the view's caches hold, counted two ways a reader can check: a KV head's slots by
+    status (they add up to its slots), and the tokens some head keeps or none does."""
+    slots = slot_counts(retention, layer, head)
+    held = " · ".join(f"{slots[s]:,} {s}" for s in SHOWN if slots.get(s))
+    some, none = kept_anywhere(retention, layer, head)
+    if head is not None:
+        return (f"In layer {layer}, head {head}: its {sum(slots.values()):,} slots hold {held or 'nothing yet'}; "
+                f"{none:,} tokens evicted")
+    where = "all layers and heads" if layer is None else f"layer {layer}"
+    return (f"In {where}: each KV head's {sum(slots.values()):,} slots hold on average {held or 'nothing yet'}; "
+            f"{some:,} tokens are kept by at least one head, {none:,} by none")
 
 
 def pins_note(session, retention):

@@ -72,7 +72,8 @@ def build(n_layers, n_heads, policy):
                          elem_id="memory-chart", **chart)
     slots = gr.LinePlot(y="slots per head", y_title="slots per KV head", title="Slots per KV head", show_label=False,
                         elem_id="slots-chart", **chart)
-    heavy = gr.Dataframe(label="Top heavy hitters in the view", max_height=260, elem_id="heavy")
+    heavy = gr.Dataframe(pd.DataFrame(columns=draw.HEAVY_COLUMNS), label="Top heavy hitters in the view",
+                         max_height=260, elem_id="heavy")
     return Panel(legend, stats, layer, head, token_map, retention_map, memory, slots, heavy)
 
 
@@ -105,12 +106,12 @@ def update(p, session, state, live=None, maps=True):
         waiting = "TTFT … · waiting for the first token" if live else "*Send a message to see what the cache keeps.*"
         maps_update = {p.token_map: "", p.retention_map: ""} if maps else {}
         return {p.legend: draw.legend_html(policy), **maps_update, p.stats: waiting, p.memory: _chart([], "KV MiB"),
-                p.slots: _chart([], "slots per head"), p.heavy: pd.DataFrame()}
+                p.slots: _chart([], "slots per head"), p.heavy: pd.DataFrame(columns=draw.HEAVY_COLUMNS)}
     drawn = draw.panel(session, state["layer"], state["head"], live=live, maps=maps)
     maps_update = {p.token_map: drawn["token_map"], p.retention_map: drawn["retention_map"]} if maps else {}
     return {p.legend: drawn["legend"], **maps_update, p.stats: drawn["stats"],
             p.memory: _chart(drawn["memory"], "KV MiB"), p.slots: _chart(drawn["memory"], "slots per head"),
-            p.heavy: pd.DataFrame(drawn["heavy"])}
+            p.heavy: pd.DataFrame(drawn["heavy"], columns=draw.HEAVY_COLUMNS)}
 
 
 def pick(p, session, state, layer, head, n_layers, n_heads):

@@ -1,4 +1,4 @@
-"""Settings, saved conversations and export: the fields always show the settings the tab's
+"""Settings, saved conversations (restore, delete) and export: the fields always show the settings the tab's
 conversation runs on (`values(settings, session)` fills them on New chat, Restore, reload and
 after every Apply, refused or not), so Apply only ever changes what the user changed.
 
@@ -33,6 +33,11 @@ class Settings:
     cache_btn: gr.Button
     saved: gr.Dropdown
     restore_btn: gr.Button
+    delete_btn: gr.Button
+    confirm_row: gr.Column  # Delete's second step: what it would delete, and Delete / Cancel
+    confirm_text: gr.Markdown
+    confirm_btn: gr.Button
+    cancel_btn: gr.Button
     export_btn: gr.Button
     export_md: gr.File
     export_json: gr.File
@@ -76,13 +81,19 @@ def build():
         with gr.Row():
             saved = gr.Dropdown([], label="Saved conversations (newest first)", allow_custom_value=False,
                                 elem_id="saved", scale=3)
-            restore_btn = gr.Button("Restore", elem_id="restore", scale=1)
+            restore_btn = gr.Button("Restore", elem_id="restore", scale=1, min_width=90)
+            delete_btn = gr.Button("Delete", elem_id="delete", scale=1, min_width=90)
+        with gr.Column(visible=False, elem_id="confirm-delete") as confirm_row:
+            confirm_text = gr.Markdown()
+            with gr.Row():
+                confirm_btn = gr.Button("Delete for good", variant="stop", elem_id="confirm-delete-btn", min_width=140)
+                cancel_btn = gr.Button("Cancel", elem_id="cancel-delete", min_width=90)
         with gr.Row():
             export_btn = gr.Button("Export")
             export_md = gr.File(label="Markdown")
             export_json = gr.File(label="JSON")
     return Settings(system_prompt, pin_system_prompt, sampling, cache, sampling_btn, cache_btn, saved, restore_btn,
-                    export_btn, export_md, export_json)
+                    delete_btn, confirm_row, confirm_text, confirm_btn, cancel_btn, export_btn, export_md, export_json)
 
 
 def values(s, session):
