@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from h2o_chat.chat import store
+from h2o_chat.chat import saved_kv, store
 from h2o_chat.ui.live import LiveSessions
 from h2o_chat.ui.state import App, PrefillSpeed, prefill_notice
-from tests.live import deadline
+from tests.live import CALL_DEADLINE_S, deadline
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16)
@@ -64,8 +64,10 @@ def test_an_idle_session_no_tab_shows_is_dropped_and_comes_back_through_open(app
     assert app.live.sweep() == [session] and app.live.get(cid) is None  # dropped ...
     assert session.stats["tokens_seen"] == 0  # ... its cache freed
     assert store.read(app.data_dir, cid).messages == session.messages  # the conversation stays saved
+    saved_kv.flush(CALL_DEADLINE_S)
     back = app.attach("tab-b", cid)
     assert back is not session and back.history == history and app.opens == [cid]  # back through App.open
+    assert back.timeline.tokens_processed == 0  # from the cache saved beside it: nothing replayed
     assert app.live.get(cid) is back
 
 
@@ -126,8 +128,12 @@ def test_a_tab_that_slept_past_the_idle_time_acts_on_the_session_opened_again(ap
 def test_delete_lets_the_live_session_go_and_a_tab_left_on_it_gets_a_new_chat(app):
     session = story(app)
     cid = session.id
+    saved_kv.flush(CALL_DEADLINE_S)
+    assert app.disk_usage().startswith(f"Saved caches: {saved_kv.usage(app.data_dir)[0] / saved_kv.MIB:,.0f} MiB of ")
+    assert saved_kv.usage(app.data_dir)[0] > 0
     app.delete(cid)
     assert not app.is_saved(cid) and app.live.get(cid) is None
+    assert saved_kv.usage(app.data_dir)[0] == 0  # its saved caches went with it
     assert not (store.session_path(app.data_dir, cid).parent / f".{cid}.lock").exists()
     assert session.data_dir is None  # never saved again: no write can bring the file back
     fresh = app.held("tab-b", session)  # a tab that still showed it

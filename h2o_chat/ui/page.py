@@ -97,7 +97,7 @@ class Tab:
     def saved_list(self, state):
         """The saved list's update; the tab remembers which live /v1 conversations it listed."""
         state["listed"] = self.app.live_choices()
-        return gr.Dropdown(choices=self.app.saved())
+        return gr.Dropdown(choices=self.app.saved(), info=self.app.disk_usage())
 
     def held(self, session, state, progress=None):
         """The session an action of this tab acts on (App.held)."""
@@ -331,7 +331,7 @@ def wire_delete(app, tab, session, conversation_id, state):
             return {s.confirm_row: gr.Column(visible=False), target: None}
         title = next((label for label, i in app.saved() if i == wanted), wanted)
         return {s.confirm_row: gr.Column(visible=True), target: wanted,
-                s.confirm_text: f"Delete **{title}** for good? Its saved file goes; this cannot be undone."}
+                s.confirm_text: f"Delete **{title}** for good? Its saved file and caches go; this cannot be undone."}
 
     def delete(current, state, wanted):
         try:
@@ -340,7 +340,8 @@ def wire_delete(app, tab, session, conversation_id, state):
             warn(e)
             return {**tab.streamed(current, state), s.confirm_row: gr.Column(visible=False)}
         gr.Info("Deleted.")
-        done = {s.confirm_row: gr.Column(visible=False), s.saved: gr.Dropdown(choices=app.saved(), value=None)}
+        done = {s.confirm_row: gr.Column(visible=False), s.saved: gr.Dropdown(choices=app.saved(), value=None,
+                                                                          info=app.disk_usage())}
         if current is None or getattr(current, "id", None) == wanted:  # the tab goes to a new chat
             return {**tab.everything(app.attach(state.get("tab"), None), state), conversation_id: None, **done}
         return {**tab.streamed(current, state), **done}

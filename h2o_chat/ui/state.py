@@ -18,7 +18,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from ..chat import store
+from ..chat import saved_kv, store
 from ..chat.session import ChatSession
 from ..chat.template import tokenize
 from .live import LiveSessions
@@ -124,6 +124,14 @@ class App:
         ids = {i for _, i in live}
         saved = [(summary_label(s), s.id) for s in store.summaries(self.data_dir)] if self.data_dir else []
         return live + [(label, i) for label, i in saved if i not in ids]
+
+    def disk_usage(self):
+        """What the saved caches take on disk, in a sentence for the saved list (None without a data folder)."""
+        if not self.data_dir:
+            return None
+        used, allowed = saved_kv.usage(self.data_dir)
+        return (f"Saved caches: {used / saved_kv.MIB:,.0f} MiB of {allowed / saved_kv.MIB:,.0f} MiB on disk "
+                "(--kv-disk-mib; the least recently used go first)")
 
     def live_choices(self):
         """(label, id) of the conversations the /v1 API holds live: the part of the list that
