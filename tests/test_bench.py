@@ -85,8 +85,9 @@ def test_bench_prefill(tiny_model_dir, play_text, tmp_path):
 @pytest.mark.slow
 @pytest.mark.live
 def test_bench_reopen(play_text, tmp_path):
-    """Stories reopened in fresh processes from their saved cache (nothing computed), and the /v1
-    older branch resent to two app.py servers, with saved caches and without."""
+    """Stories reopened in fresh processes from their saved cache (nothing computed), restored and
+    reloaded in the page of a restarted app (where chromium is), and the /v1 older branch resent to
+    two app.py servers, with saved caches and without."""
     model_dir = save_tiny_chat(tmp_path / "model")
     cli.main(["--model", str(model_dir), "--text", str(play_text), "--out", str(tmp_path / "out"), "reopen",
               "--quick", "--dtype", "float32", "--budget", "48", "--threads", "1"])
@@ -94,6 +95,8 @@ def test_bench_reopen(play_text, tmp_path):
     assert [r["tokens"] >= n for r, n in zip(rows, (300, 1000))] == [True, True]
     assert all(r["computed"] == 0 and r["messages"] >= 8 and r["replay_s"] > 0 and r["open_s"] > 0 and
                r["disk_MiB"] > 0 and not r["notices"] for r in rows)
+    if page.CHROMIUM:
+        assert all(r["page_restore_s"] > 0 and r["page_reload_s"] > 0 for r in rows), rows
     (writes,) = read_results(tmp_path / "out", "reopen_writes", plot=False)["rows"]
     assert writes["states_written"] == 2 * writes["replies"] and writes["MiB_per_state"] > 0
     v1 = read_results(tmp_path / "out", "reopen_v1", plot=False)["rows"]

@@ -253,6 +253,8 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply of the /v1 requests")
     p.add_argument("--threads", type=int, default=2, help="OMP threads of the /v1 server")
     p.add_argument("--skip-v1", action="store_true", help="leave out the /v1 older-branch part")
+    p.add_argument("--no-page", dest="page", action="store_false", help="leave out the page's restore and reload "
+                   "(Debian's chromium; left out by itself without it)")
     add_quick(p, lengths=[300, 1000], replies=2, new_tokens=8, max_tokens=8)
     p.set_defaults(run=reopen.run)
 

@@ -165,15 +165,16 @@ def wait_healthy(url, process, deadline_s=600):
 
 
 @contextlib.contextmanager
-def app_server(flags=(), threads=None, checkout=REPO):
+def app_server(flags=(), threads=None, checkout=REPO, data_dir=None):
     """The app (`checkout`'s app.py: this one, or e.g. a worktree of an older commit to compare)
-    in its own process on a free local port, with a data folder of its own: yields (url, process)
-    at once, so several can load their models together (`wait_healthy` says when one answers);
-    stopped, and its folder removed, when the block ends. threads: its OMP_NUM_THREADS.
-    app.py rather than `-m h2o_chat.serve.cli`: every commit has it, the module moved."""
+    in its own process on a free local port, with a data folder of its own (or `data_dir`, kept):
+    yields (url, process) at once, so several can load their models together (`wait_healthy` says
+    when one answers); stopped, and its own folder removed, when the block ends. threads: its
+    OMP_NUM_THREADS. app.py rather than `-m h2o_chat.serve.cli`: every commit has it, the module moved."""
     port, checkout = free_port(), Path(checkout).resolve()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
-    with tempfile.TemporaryDirectory(prefix="h2o-bench-") as data_dir:
+    with tempfile.TemporaryDirectory(prefix="h2o-bench-") as own_dir:
+        data_dir = data_dir or own_dir
         command = [sys.executable, str(checkout / "app.py"), "--port", str(port), "--data-dir", data_dir, *flags]
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=checkout)
         try:

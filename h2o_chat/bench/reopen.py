@@ -6,7 +6,10 @@ data folder, in a fresh process: that feed is the replay every reopen cost befor
 saved (its seconds), and the state it leaves is saved beside the conversation (its MiB). Then,
 per story in another fresh process (the model loaded first, not timed): `ChatSession.open` from
 the saved cache, its seconds and the tokens it computed (0: nothing replayed), and a second open
-in the same process.
+in the same process. Then the page (`--page`, Debian's chromium): the app started anew on that
+data folder (a restart), each story picked in *Saved conversations* and restored, timed from the
+click until its messages and its stats are drawn; then the page reloaded (the live session
+attached), timed the same way.
 
 Also what saving costs a reply (a chat of --replies short replies: the ms the reply's end waits
 for the state's copy, the ms the background thread takes to write it, MiB per state and states
@@ -42,6 +45,8 @@ def story_messages(tokenizer, text, n_tokens):
         if not chunk:
             raise ValueError(f"the text holds fewer than {n_tokens} tokens")
         pos += size
+        if not messages:  # a first line of its own: the page's saved list names a conversation by it
+            chunk = f"A story of {n_tokens:,} tokens. {chunk}"
         messages.append(Message("user" if len(messages) % 2 == 0 else "assistant", chunk))
         total += len(tokenizer(chunk, add_special_tokens=False).input_ids) + 5  # the template's head and end
     return messages
@@ -72,6 +77,7 @@ def build(args, data_dir, queue):
         saved_kv.flush(600)
         files = list((Path(data_dir) / "kv" / session.id).glob("*.safetensors"))
         stories.append({"tokens": len(session.ledger), "id": session.id, "messages": len(conversation.messages),
+                        "asked": n_tokens,
                         "replay_s": round(replay_s, 2), "disk_MiB": round(sum(f.stat().st_size for f in files) / 2**20, 2)})
         print(f"{stories[-1]['tokens']} tokens: replayed in {replay_s:.1f} s, saved", flush=True)
         session.close()
@@ -120,6 +126,50 @@ def in_fresh_process(target, *args):
     return result
 
 
+def page_opens(flags, data_dir, stories):
+    """{tokens: (restore_s, reload_s)} of each story opened in the page of a freshly started app
+    on `data_dir`, or None without chromium and Playwright."""
+    from .page import CHROMIUM, WAIT_MS
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    if CHROMIUM is None:
+        return None
+    # drawn: every message of the story, and the stats of its cache (its tokens seen)
+    shown = ("([rows, seen]) => document.querySelectorAll('#chat .message-row').length === rows && "
+             "document.querySelector('#stats').innerText.includes(seen + ' tokens seen')")
+    times = {}
+    with app_server(flags, data_dir=str(data_dir)) as (url, app):
+        wait_healthy(url, app)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url + "/")
+            page.wait_for_function("() => (document.querySelector('#stats') || {}).innerText?.includes('Send a')")
+            for story in stories:
+                if not page.locator("#saved input").is_visible():  # closed on each reload
+                    page.get_by_text("Saved conversations and export").click()
+                drawn = [story["messages"], f"{story['tokens']:,}"]
+                picker = page.locator("#saved input")
+                picker.click()
+                options = page.locator(f"#{picker.get_attribute('aria-controls')}").get_by_role("option")
+                options.filter(has_text=f"A story of {story['asked']:,} tokens").first.click()
+                start = time.perf_counter()
+                page.click("#restore")
+                page.wait_for_function(shown, arg=drawn, polling=20)
+                restore_s = time.perf_counter() - start
+                start = time.perf_counter()
+                page.reload()
+                page.wait_for_function(shown, arg=drawn, polling=20)
+                times[story["tokens"]] = (round(restore_s, 2), round(time.perf_counter() - start, 2))
+                print(f"page: {story['tokens']} tokens restored in {restore_s:.2f} s", flush=True)
+            browser.close()
+    return times
+
+
 def openwebui_branches(client, model, max_tokens=32):
     """Open WebUI's pattern: a story of 5 messages, an edit of message 3 and a regenerate, then the
     story's first 3 and first 5 messages resent. Returns the usage of those last two requests."""
@@ -159,6 +209,8 @@ def run(args):
     settings = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization, "text": args.text,
                 "lengths": args.lengths, "budget": args.budget, "replies": args.replies, "new_tokens": args.new_tokens}
     torch.set_num_threads(torch.get_num_threads())
+    flags = ["--model", args.model] if args.model else []
+    flags += ["--dtype", args.dtype, "--quantization", args.quantization, "--budget", str(args.budget)]
     with tempfile.TemporaryDirectory(prefix="h2o-bench-reopen-") as data_dir:
         built = in_fresh_process(build, settings, data_dir)
         rows = []
@@ -167,18 +219,21 @@ def run(args):
             rows.append({"tokens": story["tokens"], "messages": story["messages"], "replay_s": story["replay_s"],
                          **opened, "disk_MiB": story["disk_MiB"]})
             print(rows[-1], flush=True)
+        pages = page_opens(flags, data_dir, built["stories"]) if args.page else None
+        for row in rows:
+            row["page_restore_s"], row["page_reload_s"] = pages[row["tokens"]] if pages else ("", "")
     sizes = [b for b, _ in built["writes"]]
     writes = [{"replies": args.replies, "states_written": len(built["writes"]),
                "MiB_per_state": round(statistics.median(sizes) / 2**20, 2) if sizes else "",
                "reply_end_wait_ms": round(statistics.median(built["waits_ms"]), 1) if built["waits_ms"] else "",
                "background_write_ms": round(statistics.median(ms for _, ms in built["writes"]), 1) if sizes else ""}]
-    flags = ["--model", args.model] if args.model else []
-    flags += ["--dtype", args.dtype, "--quantization", args.quantization, "--budget", str(args.budget)]
     meta = {"command": args.command_line, "budget": args.budget, "dtype": built["dtype"], "threads":
             torch.get_num_threads(), "note": "open_s: ChatSession.open in a fresh process, the model already loaded; "
-            "replay_s: the same story fed through a fresh cache (what every open cost before)"}
-    write_results(args.out, "reopen", rows, ["tokens", "messages", "replay_s", "open_s", "open_again_s", "computed",
-                                             "disk_MiB", "notices"], meta)
+            "replay_s: the same story fed through a fresh cache (what every open cost before); page_restore_s: "
+            "Restore in the page of a freshly started app until the story and its stats are drawn; page_reload_s: "
+            "the page reloaded after that (the live session attached)"}
+    write_results(args.out, "reopen", rows, ["tokens", "messages", "replay_s", "open_s", "open_again_s", "page_restore_s",
+                                             "page_reload_s", "computed", "disk_MiB", "notices"], meta)
     write_results(args.out, "reopen_writes", writes, list(writes[0]), meta)
     if not args.skip_v1:
         v1 = v1_reuse(args, flags)
