@@ -43,6 +43,23 @@ def test_every_token_is_shown_or_folded_in_order(session):
     assert "&lt;" in page and "<b>" not in page  # user text is escaped, never markup
 
 
+def test_a_view_of_many_heads_draws_the_newest_tokens_and_counts_the_earlier(session, monkeypatch):
+    """All heads together can keep most of a long story: that view is bounded (MAP_NEWEST); one
+    head's view keeps at most its budget and is drawn whole."""
+    ret = session.ledger.retention(session.cache)
+    n = len(session.ledger)
+    monkeypatch.setattr(draw, "MAP_NEWEST", n // 4)
+    for layer in (None, 0):
+        page = draw.token_map(session.ledger, ret, layer=layer)
+        shown = shown_indices(page)
+        earlier = n - n // 4
+        kept_earlier = sum(status != "evicted" for status, _ in draw.token_statuses(ret, layer)[:earlier])
+        assert f"⋯ {earlier:,} earlier tokens, {kept_earlier:,} of them kept" in page and kept_earlier > 0
+        assert shown[0] == earlier and len(shown) + folded_count(page) == n // 4
+    one_head = draw.token_map(session.ledger, ret, layer=0, head=0)
+    assert "earlier tokens" not in one_head and len(shown_indices(one_head)) + folded_count(one_head) == n
+
+
 def test_head_selector_shows_that_heads_exact_set(session):
     ret = session.ledger.retention(session.cache)
     for layer in range(2):

@@ -41,6 +41,11 @@ STATUS_TEXT = {"sink": "first tokens, always kept", "pinned": "a pinned message,
 FOLD_RUN = 24  # evicted runs longer than this are folded to their ends
 FOLD_KEEP = 6
 MAP_COLUMNS = 600  # the retention map bins longer chats into this many columns
+# A view of all heads, or of a layer's, can keep up to layers x heads x budget tokens: drawn whole,
+# a 35,000-token story's map was 4.3 MB of HTML and seconds of a page open. Such views draw the
+# newest MAP_NEWEST tokens and count the earlier ones; one head's view keeps at most its budget,
+# so it is drawn whole.
+MAP_NEWEST = 4096
 MAP_ROW_PX = 6
 
 
@@ -93,7 +98,7 @@ def caption(layer=None, head=None, n_layers=None, n_heads=None):
 
 def token_map(ledger, retention, layer=None, head=None):
     """The conversation's tokens in order, coloured by status in the chosen view; long evicted
-    runs folded. Draws the tokens the retention was read for (the ledger may have grown since:
+    runs folded, and in a view of more than one head only the newest MAP_NEWEST tokens drawn. Draws the tokens the retention was read for (the ledger may have grown since:
     a reply streaming in another thread while a tab re-renders its panel)."""
     statuses = token_statuses(retention, layer, head)
     kept, score = view_of(retention, layer, head)
@@ -102,6 +107,11 @@ def token_map(ledger, retention, layer=None, head=None):
     mean_score = (score.sum(dim=0) / kept_by.clamp(min=1)).tolist()
     kept_by = kept_by.tolist()
     parts, i, n = [], 0, len(statuses)
+    if head is None and n > MAP_NEWEST:
+        i = n - MAP_NEWEST
+        n_kept = sum(status != "evicted" for status, _ in statuses[:i])
+        parts.append(f'<span class="fold" title="tokens 0-{i - 1}"> ⋯ {i:,} earlier tokens, {n_kept:,} of them '
+                     f'kept: pick a layer and KV head to see which ⋯ </span>')
     while i < n:
         j = i
         while j < n and statuses[j][0] == "evicted":
