@@ -100,7 +100,7 @@ def test_a_failed_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
     def dies(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(store.json, "dump", dies)
+    monkeypatch.setattr(store.os, "fsync", dies)  # the disk fills while the new file is written
     conversation.messages.append(Message("assistant", "lost"))
     with pytest.raises(OSError, match="disk full"):
         store.write(tmp_path, conversation)

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 
 from .common import REPO, app_server, wait_healthy
 
@@ -34,25 +35,40 @@ def page_speed(model, budget, turns, new_tokens, app_dir=None):
     """Rows {turn, server_tokens_per_s, page_ttft_s, page_stream_s, browser_cpu_s} for `turns` greedy
     replies of at most `new_tokens` in one chat, or None when chromium or Playwright is missing.
     app_dir: run the app from that checkout (a git worktree of an older commit, to compare)."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        return None
-    if CHROMIUM is None:
+    if not can_drive():
         return None
     flags = ["--budget", str(budget)] + (["--model", model] if model else [])
     with app_server(flags, checkout=app_dir or REPO) as (url, app):
         wait_healthy(url, app)
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        with chromium_page(url) as page:
+            set_greedy(page, new_tokens)
+            return [one_turn(page, PROMPTS[t % len(PROMPTS)], t + 1) for t in range(turns)]
+
+
+def can_drive():
+    """Playwright is installed and Debian's chromium is there (it never downloads a browser)."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return CHROMIUM is not None
+
+
+@contextmanager
+def chromium_page(url):
+    """A headless chromium page at 1280 x 900 on the app at `url`, its first load done."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
             page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
             page.set_default_timeout(WAIT_MS)
             page.goto(url + "/")
             page.wait_for_function("() => (document.querySelector('#stats') || {}).innerText?.includes('Send a')")
-            set_greedy(page, new_tokens)
-            rows = [one_turn(page, PROMPTS[t % len(PROMPTS)], t + 1) for t in range(turns)]
+            yield page
+        finally:
             browser.close()
-        return rows
 
 
 def set_greedy(page, new_tokens):

@@ -129,13 +129,9 @@ def in_fresh_process(target, *args):
 def page_opens(flags, data_dir, stories):
     """{tokens: (restore_s, reload_s)} of each story opened in the page of a freshly started app
     on `data_dir`, or None without chromium and Playwright."""
-    from .page import CHROMIUM, WAIT_MS
+    from .page import can_drive, chromium_page
 
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        return None
-    if CHROMIUM is None:
+    if not can_drive():
         return None
     # drawn: every message of the story, and the stats of its cache (its tokens seen)
     shown = ("([rows, seen]) => document.querySelectorAll('#chat .message-row').length === rows && "
@@ -143,12 +139,7 @@ def page_opens(flags, data_dir, stories):
     times = {}
     with app_server(flags, data_dir=str(data_dir)) as (url, app):
         wait_healthy(url, app)
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
-            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
-            page.set_default_timeout(WAIT_MS)
-            page.goto(url + "/")
-            page.wait_for_function("() => (document.querySelector('#stats') || {}).innerText?.includes('Send a')")
+        with chromium_page(url) as page:
             for story in stories:
                 if not page.locator("#saved input").is_visible():  # closed on each reload
                     page.get_by_text("Saved conversations and export").click()
@@ -166,7 +157,6 @@ def page_opens(flags, data_dir, stories):
                 page.wait_for_function(shown, arg=drawn, polling=20)
                 times[story["tokens"]] = (round(restore_s, 2), round(time.perf_counter() - start, 2))
                 print(f"page: {story['tokens']} tokens restored in {restore_s:.2f} s", flush=True)
-            browser.close()
     return times
 
 

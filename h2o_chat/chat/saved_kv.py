@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -54,6 +53,7 @@ from ..cache.config import check_fields, setting
 from ..models.quantize import weights_label
 from . import store
 from .ledger import Ledger
+from .store import write_atomically
 from .template import KnownTokens
 from .timeline import Snapshot
 
@@ -466,21 +466,6 @@ class Writer:
         enforce(job.data_dir, keep=path)
 
 
-def write_atomically(path, data):
-    """A temporary file beside `path`, fsync, rename: a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 WRITER = Writer()
 atexit.register(WRITER.flush, 10.0)  # a normal exit finishes the write under way (a crash leaves the old file)
 
@@ -527,25 +512,24 @@ def enforce(data_dir, keep=None):
     all of them the total (never `keep`, the state just written)."""
     total_allowed, per_conversation = BUDGET.limits()
     states = scan(data_dir)
-    doomed = []
-    for rows in states.values():
-        size = sum(r[1] for r in rows)
-        for row in sorted(rows, key=lambda r: r[2]):
-            if size <= per_conversation:
-                break
-            if row[0] != keep:
-                doomed.append(row)
-                size -= row[1]
+    doomed = [row for rows in states.values() for row in oldest_beyond(rows, per_conversation, keep)]
     left = [r for rows in states.values() for r in rows if r not in doomed]
-    size = sum(r[1] for r in left)
-    for row in sorted(left, key=lambda r: r[2]):
-        if size <= total_allowed:
+    doomed += oldest_beyond(left, total_allowed, keep)
+    for path, _, _ in doomed:
+        path.unlink(missing_ok=True)
+
+
+def oldest_beyond(rows, allowed, keep):
+    """The least recently used of `rows` (path, bytes, last use) whose removal brings their size
+    within `allowed`, never `keep`."""
+    size, doomed = sum(r[1] for r in rows), []
+    for row in sorted(rows, key=lambda r: r[2]):
+        if size <= allowed:
             break
         if row[0] != keep:
             doomed.append(row)
             size -= row[1]
-    for path, _, _ in doomed:
-        path.unlink(missing_ok=True)
+    return doomed
 
 
 def usage(data_dir):

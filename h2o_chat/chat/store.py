@@ -140,11 +140,17 @@ def _locked(path):
 def save(data_dir, session_id, record):
     """Write the record atomically: a crash leaves the old file or the new one, never half."""
     path = session_path(data_dir, session_id)
+    text = json.dumps({**record, "version": FORMAT_VERSION}, ensure_ascii=False, indent=1)
+    write_atomically(path, text.encode("utf-8"))
+
+
+def write_atomically(path, data):
+    """A temporary file beside `path`, fsync, rename: a crash leaves the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{session_id}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({**record, "version": FORMAT_VERSION}, f, ensure_ascii=False, indent=1)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
