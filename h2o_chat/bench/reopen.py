@@ -45,10 +45,10 @@ def story_messages(tokenizer, text, n_tokens):
         if not chunk:
             raise ValueError(f"the text holds fewer than {n_tokens} tokens")
         pos += size
-        if not messages:  # a first line of its own: the page's saved list names a conversation by it
+        total += len(tokenizer(chunk, add_special_tokens=False).input_ids) + 5  # the template's head and end
+        if not messages:  # a first line of its own (a few tokens more): the page's saved list names a story by it
             chunk = f"A story of {n_tokens:,} tokens. {chunk}"
         messages.append(Message("user" if len(messages) % 2 == 0 else "assistant", chunk))
-        total += len(tokenizer(chunk, add_special_tokens=False).input_ids) + 5  # the template's head and end
     return messages
 
 
