@@ -105,10 +105,9 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def make_tiny_chat(dtype=torch.float32, seed=0):
-    """A tiny random LLaMA with a character-level tokenizer (printable ASCII, so whatever the
-    random model says decodes to text and re-tokenizes to the same ids), ChatML's two special
-    tokens and its chat template: everything a ChatSession needs, in milliseconds."""
+def char_tokenizer(template=CHATML):
+    """A token per printable ASCII character (so whatever a random model says decodes to text and
+    re-tokenizes to the same ids), ChatML's two special tokens, and `template`."""
     chars = [chr(i) for i in range(32, 127)] + ["\n", "\t"]
     backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}},
                                          unk_token="<unk>"))
@@ -116,7 +115,15 @@ def make_tiny_chat(dtype=torch.float32, seed=0):
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", unk_token="<unk>")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def make_tiny_chat(dtype=torch.float32, seed=0):
+    """A tiny random LLaMA with a character-level tokenizer (printable ASCII, so whatever the
+    random model says decodes to text and re-tokenizes to the same ids), ChatML's two special
+    tokens and its chat template: everything a ChatSession needs, in milliseconds."""
+    tokenizer = char_tokenizer()
     model = make_tiny_llama(dtype, seed=seed, vocab_size=len(tokenizer))
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return model, tokenizer

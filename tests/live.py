@@ -50,6 +50,24 @@ def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, po
         demo.close()
 
 
+@contextmanager
+def loading_server(cache):
+    """The API's routes beside a page whose model is still loading (create_router with no model),
+    on a free local port: yields the server's url."""
+    import gradio as gr
+
+    router = create_router(None, None, dict(cache))
+    with gr.Blocks() as demo:
+        gr.Markdown("loading")
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                app_kwargs={"routes": router.routes})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        demo.close()
+
+
 def text_of(message):
     """Gradio 6 sends a message's content as a list of typed parts."""
     content = message["content"]

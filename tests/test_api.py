@@ -25,7 +25,7 @@ from h2o_chat.serve import api as api_module
 from h2o_chat.serve.api import client_name, create_router
 from h2o_chat.ui.page import CSS, build
 from tests.conftest import make_tiny_chat
-from tests.live import deadline, free_port, never_ending
+from tests.live import deadline, free_port, loading_server, never_ending
 
 # every test here starts a server (the app, or app.py in a process)
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.live, pytest.mark.slow]
@@ -458,20 +458,11 @@ def test_an_unknown_model_or_route_gets_404(server, client):
 
 
 def test_while_the_model_loads_the_api_answers_503(tmp_path):
-    router = create_router(None, None, dict(CACHE))
-    with gr.Blocks() as demo:
-        gr.Markdown("loading")
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"routes": router.routes})
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with loading_server(CACHE) as url:
         assert httpx.get(url + "/health").status_code == 503
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=DEADLINE_S)
         with pytest.raises(openai.InternalServerError, match="loading"):
             chat(client, [{"role": "user", "content": "hi"}])
-    finally:
-        demo.close()
 
 
 # ---------------------------------------------------------------------------------------------

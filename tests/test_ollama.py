@@ -468,24 +468,13 @@ def test_empty_messages_or_prompt_load_the_model_as_in_ollama(server, client):
 @pytest.mark.live
 @pytest.mark.slow
 def test_while_the_model_loads_the_routes_answer_503_but_the_version(tmp_path):
-    import gradio as gr
+    from tests.live import loading_server
 
-    from h2o_chat.serve.api import create_router
-    from tests.live import free_port
-
-    router = create_router(None, None, dict(CACHE))
-    with gr.Blocks() as demo:
-        gr.Markdown("loading")
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"routes": router.routes})
-    try:
-        client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=DEADLINE_S)
+    with loading_server(CACHE) as url:
+        client = ollama.Client(host=url, timeout=DEADLINE_S)
         assert client._client.get("/api/version").json() == {"version": OLLAMA_VERSION}
         status, sentence = refusal(client.list)
         assert status == 503 and "loading" in sentence
-    finally:
-        demo.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,13 +14,12 @@ from contextlib import contextmanager
 import openai
 import pytest
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import AddedToken
 
 from h2o_chat.chat.template import render, token_ids
 from h2o_chat.chat.tools import KnownCalls, call_prefix, parse_calls, renders_tools
 from h2o_chat.serve.requests import read_chat_request
-from tests.conftest import make_tiny_chat, make_tiny_llama
+from tests.conftest import char_tokenizer, make_tiny_chat, make_tiny_llama
 from tests.live import deadline
 from tests.test_api import CACHE, api_server
 
@@ -77,15 +76,8 @@ def make_tool_chat():
     <tool_call> banned, "OK"; after `"arguments": ` (a call asked for), the arguments and the
     closing tag. Each link's token has a one-hot embedding, and the lm_head row of the next
     token points at it."""
-    chars = [chr(i) for i in range(32, 127)] + ["\n", "\t"]
-    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}},
-                                         unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", unk_token="<unk>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer = char_tokenizer(HERMES)
     tokenizer.add_tokens([AddedToken(t, normalized=False) for t in ("<tool_call>", "</tool_call>", CALL, ARGS)])
-    tokenizer.chat_template = HERMES
     model = make_tiny_llama(torch.float64, vocab_size=len(tokenizer))
     ids = tokenizer.convert_tokens_to_ids
     model.generation_config.eos_token_id = ids("<|im_end|>")
