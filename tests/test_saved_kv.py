@@ -87,6 +87,27 @@ def test_a_reopened_conversation_loads_its_cache_bit_for_bit_and_replies_as_if_n
     assert_same_state(session, reopened)
 
 
+def test_a_reopened_state_is_not_written_again_until_it_changes(tmp_path):
+    """A conversation opened and closed untouched (a tab that looked, an idle drop) writes nothing:
+    the state it loaded is the one on disk. The next reply writes again."""
+    model, tok = make_tiny_chat()
+    session = greedy(model, tok, tmp_path)
+    story(session, TURNS[:2])
+    session.close()
+    assert saved_kv.flush(DEADLINE_S)
+    files, last_write = state_files(tmp_path, session.id), saved_kv.WRITER.written[-1]
+    reopened = ChatSession.open(model, tok, session.id, tmp_path)
+    assert reopened.timeline.tokens_processed == 0
+    reopened.autosave()
+    reopened.close()
+    assert saved_kv.flush(DEADLINE_S)
+    assert saved_kv.WRITER.written[-1] is last_write and state_files(tmp_path, session.id) == files
+    again = ChatSession.open(model, tok, session.id, tmp_path)
+    "".join(again.send("And then?"))
+    assert saved_kv.flush(DEADLINE_S)
+    assert len(state_files(tmp_path, session.id)) > len(files)
+
+
 def test_the_page_opens_a_saved_conversation_from_its_cache(tmp_path):
     from h2o_chat.ui.state import App
 

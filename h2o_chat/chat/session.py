@@ -36,7 +36,6 @@ import os
 import threading
 import time
 import unicodedata
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -179,6 +178,7 @@ class ChatSession:
         self.notices, conversation.notices = conversation.notices, []
         self.save_error = None  # why the last save failed (a sentence without paths), None when it worked
         self.top_logprobs = None  # k: each reply token's logprob and the k likeliest, in token_logprobs
+        self.reply_cap = None  # a reply's length when a request says it, instead of sampling's (never saved)
         self.token_logprobs = []  # [(token id, logprob, [(id, logprob)] * k)] of the last reply's tokens
         self.last_turn = None  # no reply since the session was made (or opened): no timing to show
         self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
@@ -196,7 +196,6 @@ class ChatSession:
         self.saved = saved_kv.States(data_dir, lambda: self.conversation, model, tokenizer) \
             if data_dir is not None and saved_kv.BUDGET.total_mib > 0 else None
         self._marks = []  # snapshots taken at a reply's start (what regenerate returns to), saved at its end
-        self._saved_at = None  # (timeline, its changes) when its state was last queued for saving
         self.timeline = self._new_timeline(self.cache_config)
         if conversation.messages and self.saved is not None:
             self.saved.latest_session(self._known, self._sampler)  # before rendering: replies as they were drawn
@@ -390,7 +389,7 @@ class ChatSession:
         stats.finish = "length"
         saved_at = time.perf_counter()
         try:
-            for step in range(self.sampling.max_new_tokens):
+            for step in range(self.reply_cap or self.sampling.max_new_tokens):
                 if self._stop.is_set():
                     stats.finish = "stop"
                     return
@@ -684,10 +683,10 @@ class ChatSession:
         timeline = self.timeline
         if self.saved is None or self.save_error is not None:
             return
-        saved_at, head = self._saved_at, None
-        if timeline.fed and (saved_at is None or saved_at[0]() is not timeline or saved_at[1] != timeline.changes):
+        head = None
+        if timeline.fed and timeline.saved_changes != timeline.changes:
             head = timeline.snapshot()  # copied before the writer is woken: it would compete for the cores
-            self._saved_at = (weakref.ref(timeline), timeline.changes)  # weak: a closed session's cache is freed
+            timeline.saved_changes = timeline.changes
         marks, self._marks = self._marks, []
         for snap in marks:
             if any(s is snap for s in timeline.snapshots):

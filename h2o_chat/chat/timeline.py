@@ -86,6 +86,7 @@ class Timeline:
         self.snapshots = []
         self.tokens_processed = 0  # every token run through the model, replays included
         self.changes = 0  # counts every change of the state: a state already saved is not saved again
+        self.saved_changes = None  # `changes` when the state was last saved, or loaded from disk
 
     @property
     def fed(self):
@@ -139,6 +140,7 @@ class Timeline:
             self.cache.set_pins(pins)
             self.logits, self.ledger = snap.logits, ledger
             self.changes += 1
+            self.saved_changes = self.changes  # it is on disk already: not written again until it changes
             return True
         return False
 

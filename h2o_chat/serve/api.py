@@ -561,8 +561,11 @@ def reply(session, job, emit, index, started, stop_ids=(), known_calls=None):
     last = job.messages[-1]
     history = job.messages if job.continue_final else job.messages[:-1]
     sampling = dict(job.sampling)
+    # no max_tokens: this reply runs to the machine's bound, a cap of this request's alone (the
+    # conversation keeps Sampling's default, as the page would)
+    session.reply_cap = machine_bound(session) if sampling["max_new_tokens"] is None else None
     if sampling["max_new_tokens"] is None:
-        sampling["max_new_tokens"] = machine_bound(session)
+        sampling["max_new_tokens"] = Sampling().max_new_tokens
     if index and sampling["seed"] is not None:
         sampling["seed"] += index  # each choice its own draw, all of them reproducible
     if job.ignore_eos:
@@ -615,8 +618,6 @@ def reply(session, job, emit, index, started, stop_ids=(), known_calls=None):
     more = entries(stats.kept_tokens)
     if rest or more:
         emit(("text", index, rest, more))
-    if job.sampling["max_new_tokens"] is None:  # the machine's bound was this request's: the conversation saves the default
-        session.configure(max_new_tokens=Sampling().max_new_tokens)
     finish = "length" if stats.finish == "length" else "stop"
     if made:
         if known_calls is not None:
