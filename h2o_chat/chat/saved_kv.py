@@ -226,7 +226,7 @@ class States:
         `target` (ids) longer than `longer_than`, most tokens first. At a first load (longer_than
         0) a state that would have fitted but belongs to another model or settings is named in a
         notice."""
-        WRITER.settle(self.data_dir, self.chain(), longer_than)  # a state still being written is one to find
+        WRITER.settle(self.data_dir, self.chain(), longer_than, target)  # a state still being written is one to find
         files = [f for f in self.files() if longer_than < f[1] <= len(target)]
         if not files:
             return []
@@ -422,12 +422,15 @@ class Writer:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and self._current is None, timeout)
 
-    def settle(self, data_dir, conversation_ids, longer_than=-1, timeout=30.0):
-        """Wait until no state of these conversations with more than `longer_than` tokens is
-        waiting or being written: a state queued before a load is one it can find."""
+    def settle(self, data_dir, conversation_ids, longer_than=-1, target=None, timeout=30.0):
+        """Wait until no state of these conversations with more than `longer_than` tokens (and,
+        given `target` ids, whose tokens are a prefix of them) is waiting or being written: a
+        state queued before a load is one it can find. A state that cannot be a prefix of the
+        target (the reply an edit goes back before) is not waited for."""
         def pending(job):
+            n_fed = job.snapshot.n_fed if job is not None else 0
             return job is not None and job.data_dir == data_dir and job.conversation_id in conversation_ids \
-                and job.snapshot.n_fed > longer_than
+                and n_fed > longer_than and (target is None or job.ledger.vocab_ids[:n_fed] == list(target[:n_fed]))
 
         with self._cond:
             return self._cond.wait_for(lambda: not any(pending(j) for j in (*self._queue, self._current)), timeout)
