@@ -97,14 +97,16 @@ def template_fields(message):
     (Llama 3.1's template asks whether "tool_calls" is in a message at all)."""
     out = {}
     if getattr(message, "tool_calls", None):
-        out["tool_calls"] = [{**call, "function": {**call["function"], "arguments": _object(call["function"]["arguments"])}}
+        out["tool_calls"] = [{**call, "function": {**call["function"], "arguments": json_or_text(call["function"]["arguments"])}}
                              for call in message.tool_calls]
     if getattr(message, "tool_call_id", None) is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
 
 
-def _object(arguments):
+def json_or_text(arguments):
+    """A tool call's arguments as the object their JSON text holds (templates index into them),
+    or the text itself when it holds none."""
     try:
         return json.loads(arguments)
     except (TypeError, json.JSONDecodeError):

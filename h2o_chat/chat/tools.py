@@ -23,6 +23,8 @@ import uuid
 
 from jinja2 import TemplateError
 
+from .template import json_or_text
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PROBE_NAME = "h2o_probe_tool"
 PROBE = [{"type": "function", "function": {"name": PROBE_NAME, "description": "a probe",
@@ -193,13 +195,8 @@ class KnownCalls:
             return None
         text, names = found.pop()
         _, read = parse_calls(text, names)
-        same = [(c["function"]["name"], _arguments(c["function"]["arguments"])) for c in read] == \
-            [(c["function"]["name"], _arguments(c["function"]["arguments"])) for c in calls]
+        same = [(c["function"]["name"], json_or_text(c["function"]["arguments"])) for c in read] == \
+            [(c["function"]["name"], json_or_text(c["function"]["arguments"])) for c in calls]
         return text if same else None
 
 
-def _arguments(text):
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return text

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import Sampling
 from ..models.quantize import weights_label
+from . import shapes
 from .api import NOT_SAVED_HEADER, TOOLS_IGNORED_HEADER, next_event
 from .requests import ApiError, read_chat_request, read_text_request
 
@@ -360,8 +361,7 @@ class Served:
 
     def usage(self):
         """The figures in OpenAI's usage shape: what the request's log line reads."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.new_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return shapes.usage(self.prompt_tokens, self.cached_tokens, self.new_tokens)
 
     def ollama(self):
         turn = self.turn
