@@ -479,9 +479,10 @@ def flush(timeout=60.0):
 
 
 # --- the disk budget ----------------------------------------------------------------------------
-def scan(data_dir):
+def scan(data_dir, tidy=False):
     """{conversation id: [(path, bytes, last used)]} of every saved state in the data folder.
-    Removes what belongs to no conversation: the folder of a deleted one, crashed writes' leftovers."""
+    tidy: also remove what belongs to no conversation (the folder of a deleted one, crashed
+    writes' leftovers); the writer does after each write, a reader (the page's usage) does not."""
     root, found = Path(data_dir) / store.KV_FOLDER, {}
     try:
         folders = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
@@ -491,7 +492,8 @@ def scan(data_dir):
     for folder in folders:
         try:
             if not store.session_path(data_dir, folder.name).is_file():
-                shutil.rmtree(folder.path, ignore_errors=True)
+                if tidy:
+                    shutil.rmtree(folder.path, ignore_errors=True)
                 continue
             entries = list(os.scandir(folder.path))
         except (ValueError, OSError):  # a name that is no conversation id: not ours, left alone
@@ -503,7 +505,8 @@ def scan(data_dir):
             except OSError:
                 continue
             if entry.name.endswith(".tmp") and now - stat.st_mtime > STALE_TEMP_S:
-                Path(entry.path).unlink(missing_ok=True)
+                if tidy:
+                    Path(entry.path).unlink(missing_ok=True)
             elif parse_name(entry.name) is not None:
                 rows.append((Path(entry.path), stat.st_size, stat.st_mtime))
         found[folder.name] = rows
@@ -514,7 +517,7 @@ def enforce(data_dir, keep=None):
     """Drop the least recently used states until the conversation of `keep` fits its bound and
     all of them the total (never `keep`, the state just written)."""
     total_allowed, per_conversation = BUDGET.limits()
-    states = scan(data_dir)
+    states = scan(data_dir, tidy=True)
     doomed = [row for rows in states.values() for row in oldest_beyond(rows, per_conversation, keep)]
     left = [r for rows in states.values() for r in rows if r not in doomed]
     doomed += oldest_beyond(left, total_allowed, keep)
