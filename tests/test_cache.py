@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from h2o_chat import H2OCache
+from h2o_chat import CacheConfig, H2OCache
 from h2o_chat.cache import scoring
 from h2o_chat.cache.scoring import add_mass, grouped_attention
 from h2o_chat.cache.step import KEY
@@ -322,10 +322,23 @@ def test_eviction_ties_keep_the_newer_token():
     ids = torch.tensor([[[0, 5, 3, 1, 4, 2]]])
     priority = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0]]])
     protected = ids == 0
-    from h2o_chat.cache.policy import select_keep, select_victim
+    from h2o_chat.cache.policy import protection_key, select_keep
+    from h2o_chat.cache.step import IDS, KEY, N_META, SCORE, DecodeStep, attend_and_replace
 
     assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
-    assert select_victim(ids, priority, protected).tolist() == [[3]]  # token 1, the oldest tie
+    # the decode step, the same slots plus token 6 in the spare slot: a query of zeros adds the same
+    # mass to every slot, so the tie stays, and token 1 (slot 3), the oldest, gives its slot to 6
+    kv, meta = torch.zeros(2, 1, 1, 7, 4), torch.zeros(N_META, 1, 1, 7, dtype=torch.int32)
+    meta[IDS, :, :, :6] = ids.int()
+    meta[KEY, :, :, :6] = protection_key(ids.int(), n_sink=1)
+    meta.view(torch.float32)[SCORE, :, :, :6] = priority
+    query = torch.zeros(1, 1, 1, 4)
+    step = DecodeStep.over(kv, meta, query, scaling=1.0)
+    step.write_spare(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), next_id=6)
+    step.threshold.fill_(6)  # n_seen 7, one recent token: the new one
+    attend_and_replace(step, query, CacheConfig(policy="h2o", budget=6, n_sink=1, n_recent=1))
+    assert meta[IDS, 0, 0, :6].tolist() == [0, 5, 3, 6, 4, 2]
+    assert kv[0, 0, 0, 3].tolist() == [1.0] * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
 from .config import Budget, CacheConfig
-from .policy import heavy_score, priority, protection_key, select_keep
+from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
 from .step import IDS, INT_OF, KEY, N_META, POS, QUERIES, SCORE, DecodeStep, attend_and_replace, score_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -56,10 +56,6 @@ def rotate_keys(keys, delta, inv_freq):
     angles = torch.cat((angles, angles), dim=-1)
     k = keys.to(torch.promote_types(keys.dtype, torch.float32))
     keys.copy_(k * angles.cos().to(k.dtype) + rotate_half(k) * angles.sin().to(k.dtype))
-
-
-def is_pinned(token, pins):
-    return any(start <= token < end for start, end in pins)
 
 
 def pinned_slots(pins, n_sink):
@@ -117,7 +113,7 @@ class H2OLayer(CacheLayerMixin):
     def capacity(self):
         return self.kv.shape[3] if self.kv is not None else 0
 
-    def _views(self):
+    def _forget_views(self):
         """The slot count or the buffers changed: the live views are made again at their next use.
         Lazily, because the growing path (a layer below its budget, or an unbounded one) changes
         the count every step while nothing in the step reads them (a dozen views a layer saved)."""
@@ -228,7 +224,7 @@ class H2OLayer(CacheLayerMixin):
             self.kv.copy_(buffers[0])
             self.meta.copy_(buffers[1])
             self.n_slots = n_slots
-            self._views()
+            self._forget_views()
         elif adopt:
             self.set_buffers(buffers[0], buffers[1], n_slots)
         else:
@@ -241,7 +237,7 @@ class H2OLayer(CacheLayerMixin):
         """Hold these buffers (chat/batch.py hands a layer views of a shared arena's row, and back)."""
         self.kv, self.meta, self.n_slots, self.step = kv, meta, n_slots, None
         self.is_initialized = kv is not None
-        self._views()
+        self._forget_views()
 
     def allocate(self, capacity, like):
         """Buffers of `capacity` slots, the live slots copied over (like: [batch, kv_heads, n, head_dim])."""
@@ -253,7 +249,7 @@ class H2OLayer(CacheLayerMixin):
             meta[..., : self.n_slots] = self.meta[..., : self.n_slots]
         self.set_buffers(kv, meta, self.n_slots)
 
-    def protect(self, n_sink, pins):
+    def refresh_protection(self, n_sink, pins):
         """The live slots' protection keys for these pins (nothing to do if they were made for them)."""
         if pins is self.pins_seen:
             return
@@ -265,7 +261,7 @@ class H2OLayer(CacheLayerMixin):
     def attend(self, keys, values, query, scaling, limits: Budget, pins):
         """This step's new keys, values [batch, kv_heads, n, head_dim] and queries [batch, q_heads,
         n, head_dim] -> attention output [batch, n, q_heads, head_dim], scoring and evicting."""
-        self.protect(limits.n_sink, pins)
+        self.refresh_protection(limits.n_sink, pins)
         n, chunk = keys.shape[2], self.config.prefill_chunk
         if n == 1 and self.n_slots == limits.budget:
             return self.decode_step(keys, values, query, scaling, limits, pins)
@@ -309,7 +305,7 @@ class H2OLayer(CacheLayerMixin):
             self.kv[:, :, :, :budget], self.meta[..., :budget] = kept_kv, kept_meta
             total = budget
         self.n_slots = total
-        self._views()
+        self._forget_views()
         if evicted:
             self.maybe_roll(limits)
         return out
@@ -320,7 +316,7 @@ class H2OLayer(CacheLayerMixin):
         if self.step is None:
             self.step = DecodeStep.over(self.kv, self.meta, query, scaling)
         every_row = slice(None)
-        self.step.write_spare(keys, values, self.n_seen, [every_row] if is_pinned(self.n_seen, pins) else ())
+        self.step.write_spare(keys, values, self.n_seen, [every_row] if never_evicted(self.n_seen, limits.n_sink, pins) else ())
         self.n_seen += 1
         self.step.threshold.fill_(self.n_seen - limits.n_recent)
         out = attend_and_replace(self.step, query, self.config)
@@ -333,7 +329,7 @@ class H2OLayer(CacheLayerMixin):
         self.n_seen += 1
         if self.n_slots < limits.budget:
             self.n_slots += 1
-            self._views()
+            self._forget_views()
         self.maybe_roll(limits)
 
     def maybe_roll(self, limits):
@@ -376,7 +372,7 @@ class H2OLayer(CacheLayerMixin):
         kv[0].copy_(keys[:, :, 0])
         kv[1].copy_(values[:, :, 0])
         meta[IDS : KEY + 1].fill_(self.n_seen)  # its id, its position, its protection key
-        if self.n_seen < n_sink or is_pinned(self.n_seen, pins):
+        if never_evicted(self.n_seen, n_sink, pins):
             meta[KEY].fill_(torch.iinfo(meta.dtype).max)
         meta[SCORE:].fill_(0)
 
@@ -435,7 +431,7 @@ class H2OCache(Cache):
         self.kv_heads = text_config.num_key_value_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.dtype = model.dtype
-        self._pending = [None] * n_layers  # (keys, values) handed over by update(), consumed by attend()
+        self._unattended = None  # the layer whose update() has not been followed by its attend() yet
         super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions) for _ in range(n_layers)])
 
     # --- what users and the ledger read -------------------------------------------------------
@@ -485,7 +481,7 @@ class H2OCache(Cache):
         layers, pins, limits = snapshot
         for layer, state in zip(self.layers, layers):
             layer.restore(state, adopt)
-        self._pending = [None] * len(self.layers)
+        self._unattended = None
         self.pins, self.limits = list(pins), limits
 
     # --- saving ------------------------------------------------------------------------------
@@ -528,7 +524,7 @@ class H2OCache(Cache):
     def reset(self):
         for layer in self.layers:
             layer.reset()
-        self._pending = [None] * len(self.layers)
+        self._unattended = None
         self.pins = []
         if isinstance(self.config.budget, float):
             self.limits = None
@@ -565,32 +561,38 @@ class H2OCache(Cache):
         self.pins = pins
 
     def is_pinned(self, token):
-        return is_pinned(token, self.pins)
+        return never_evicted(token, 0, self.pins)
 
     # --- the transformers Cache interface ---------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Called by the attention layer with this step's new keys and values
-        [batch, kv_heads, n, head_dim]. We only hand ourselves to the "h2o" attention function
-        through its kwargs (per call, so several caches can share a model across threads); the
-        work happens in `attend`, where the attention probabilities are known."""
+        """Called by transformers' attention layer with this step's new keys and values
+        [batch, kv_heads, n, head_dim], which it hands on to the attention function: the "h2o"
+        one (scoring.py) finds this cache in its kwargs (put there per call, so several caches
+        can share a model across threads) and calls `attend`, where the probabilities are known."""
         attn_kwargs = kwargs.get("kwargs")
         if attn_kwargs is None:
             raise RuntimeError("H2OCache: this model's attention does not pass its kwargs to cache.update")
-        if self._pending[layer_idx] is not None:
+        if self._unattended is not None:
             raise RuntimeError("H2OCache: the model's attention implementation was changed away from 'h2o'")
-        if self.limits is None:
-            self.limits = self.config.resolve(key_states.shape[2])
         if layer_idx == 0:
-            self.check_positions(self.layers[0].n_seen + key_states.shape[2])
-        self._pending[layer_idx] = (key_states, value_states)
+            self.begin(key_states.shape[2])
+        self._unattended = layer_idx
         attn_kwargs["h2o_cache"] = self
         return key_states, value_states
 
-    def attend(self, layer_idx, query, scaling):
-        """Attention of this step's queries [batch, q_heads, n, head_dim] for one layer, with
-        scoring and eviction; returns [batch, n, q_heads, head_dim]."""
-        keys, values = self._pending[layer_idx]
-        self._pending[layer_idx] = None
+    def begin(self, n_new):
+        """Before a forward of `n_new` tokens reaches layer 0: the budget resolved (a fraction is
+        resolved at the first input), and a warning once the conversation passes the trained
+        positions with positions='absolute'."""
+        if self.limits is None:
+            self.limits = self.config.resolve(n_new)
+        self.check_positions(self.layers[0].n_seen + n_new)
+
+    def attend(self, layer_idx, query, keys, values, scaling):
+        """One layer's step: its new keys, values [batch, kv_heads, n, head_dim] written in, the
+        queries [batch, q_heads, n, head_dim] attended over every slot, scored, evicted; returns
+        [batch, n, q_heads, head_dim]. `begin(n)` comes first, once per forward."""
+        self._unattended = None
         return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits, self.pins)
 
     def before_batched_step(self):
@@ -598,7 +600,7 @@ class H2OCache(Cache):
         their protection keys follow the pins, and a conversation past the trained positions warns."""
         self.check_positions(self.layers[0].n_seen + 1)
         for layer in self.layers:
-            layer.protect(self.limits.n_sink, self.pins)
+            layer.refresh_protection(self.limits.n_sink, self.pins)
 
     def after_batched_step(self):
         for layer in self.layers:

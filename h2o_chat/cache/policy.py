@@ -13,18 +13,25 @@ Every policy is the same rule with different knobs. A layer keeps, per batch row
 import torch
 
 
+def never_evicted(token, n_sink, pins=()):
+    """The one rule for which tokens are protected for good: the first `n_sink` (attention sinks)
+    and pinned ones. token: an int, or a tensor of token ids (-> a bool tensor of its shape).
+    pins: list of absolute [start, end) token ranges."""
+    if isinstance(token, int):
+        return token < n_sink or any(start <= token < end for start, end in pins)
+    fixed = token < n_sink
+    for start, end in pins:
+        fixed |= (token >= start) & (token < end)
+    return fixed
+
+
 def protection_key(slot_token_ids, n_sink, pins=()):
     """[batch, kv_heads, slots], the slot token ids' dtype: what a slot's protection is decided by.
     A slot is protected while `key >= n_seen - n_recent`: the key is the token id (so it leaves
-    the recent window as the conversation moves on) or, for sinks and pinned tokens, the dtype's
+    the recent window as the conversation moves on) or, for tokens `never_evicted`, the dtype's
     largest value (protected for good). Kept beside each slot, it makes the per-step test one
-    comparison with one number.
-
-    pins: list of absolute [start, end) token ranges."""
-    fixed = slot_token_ids < n_sink
-    for start, end in pins:
-        fixed |= (slot_token_ids >= start) & (slot_token_ids < end)
-    return torch.where(fixed, torch.iinfo(slot_token_ids.dtype).max, slot_token_ids)
+    comparison with one number."""
+    return torch.where(never_evicted(slot_token_ids, n_sink, pins), torch.iinfo(slot_token_ids.dtype).max, slot_token_ids)
 
 
 def heavy_score(scores, queries, score):
@@ -51,12 +58,3 @@ def select_keep(slot_token_ids, priority, protected, budget):
     order = by_newest.gather(-1, key.argsort(dim=-1, descending=True, stable=True))[..., :budget]
     return order.gather(-1, slot_token_ids.gather(-1, order).argsort(dim=-1))
 
-
-def select_victim(slot_token_ids, priority, protected):
-    """The one slot to evict per row and head, [batch, kv_heads]: the unprotected slot of lowest
-    priority, the older token on ties. This is `select_keep` for budget = slots - 1, in two
-    reductions instead of a sort: it runs once per generated token per layer."""
-    top = torch.inf if priority.is_floating_point() else torch.iinfo(priority.dtype).max
-    key = torch.where(protected, top, priority)
-    is_min = key == key.amin(dim=-1, keepdim=True)
-    return torch.where(is_min, slot_token_ids, torch.iinfo(slot_token_ids.dtype).max).argmin(dim=-1)

@@ -3,9 +3,10 @@
 H2O needs the attention probabilities, which fused kernels (sdpa, flash) never materialise. We
 register an attention function named "h2o" with transformers' `AttentionInterface`. When the
 forward runs with an `H2OCache`, the cache's `update` puts itself into the attention kwargs and
-this function hands the whole layer to `cache.attend`, which calls `grouped_attention` chunk by
-chunk. With any other cache (a model switched to "h2o" and then used with `DynamicCache`) it is
-plain sdpa, so switching a model's attention never changes what it computes.
+returns the new keys and values unchanged; this function hands them and the queries to
+`cache.attend`, which writes, attends (`grouped_attention`, chunk by chunk) and evicts. With
+any other cache (a model switched to "h2o" and then used with `DynamicCache`) it is plain sdpa,
+so switching a model's attention never changes what it computes.
 """
 
 import functools
@@ -91,7 +92,7 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return cache.attend(module.layer_idx, query, scaling), None
+    return cache.attend(module.layer_idx, query, key, value, scaling), None
 
 
 def register():

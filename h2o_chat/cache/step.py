@@ -94,10 +94,14 @@ class DecodeStep:
     victim: torch.Tensor  # [b, h, 1] long
     stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
     stage_meta: torch.Tensor  # [N_META, b, h, 1]
+    stage_kv_flat: torch.Tensor  # [2, b*h, d]: views of the two above, as index_copy_ reads them
+    stage_meta_flat: torch.Tensor  # [N_META, b*h]
     kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
     meta_flat: torch.Tensor  # [N_META, b*h*cap]
     slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
+    victim_rows: torch.Tensor  # [b*h]: a view of victim
     flat_victim: torch.Tensor  # [b*h]
+    out4: torch.Tensor  # [b, 1, q_heads, d]: a view of out, what attend returns
 
     @classmethod
     def over(cls, kv, meta, query, scaling):
@@ -106,6 +110,8 @@ class DecodeStep:
         _, b, h, cap, d = kv.shape
         group, spare = query.shape[1] // h, cap - 1
         acc, dev = meta_f.dtype, kv.device
+        out, victim = kv.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
+        stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
         return cls(
             group=group,
             spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
@@ -127,13 +133,14 @@ class DecodeStep:
             logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != kv.dtype else None,
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
             probs_low=kv.new_empty(b * h, group, cap) if acc != kv.dtype else None,
-            out=kv.new_empty(b * h, group, d),
+            out=out, out4=out.view(b, 1, group * h, d),
             protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
             is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
-            victim=torch.empty(b, h, 1, dtype=torch.long, device=dev),
-            stage_kv=kv.new_empty(2, b, h, 1, d), stage_meta=meta.new_empty(N_META, b, h, 1),
+            victim=victim, victim_rows=victim.view(b * h),
+            stage_kv=stage_kv, stage_meta=stage_meta,
+            stage_kv_flat=stage_kv.view(2, b * h, d), stage_meta_flat=stage_meta.view(N_META, b * h),
             # the victims as indices into the slots of every (row, head) laid end to end: one
             # index_copy_ moves the spare (a bf16 scatter_ along the slot dim is ~10x slower on CPU)
             kv_flat=kv.view(2, b * h * cap, d), meta_flat=meta.view(N_META, b * h * cap),
@@ -170,7 +177,7 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     if rows is not None and rows.empty is not None:
         logits.view(b, -1, s.group, logits.shape[-1]).masked_fill_(rows.empty[:, :, None], -torch.inf)
     probs = torch.softmax(logits, -1, out=s.probs)
-    out = torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
+    torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
     # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
     weights = s.ones if rows is None else rows.weights
     if config.score == "decay":
@@ -200,7 +207,7 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     # cache replace: the spare slot (copied out first: a source may not alias its target)
     s.stage_kv.copy_(s.spare_kv)
     s.stage_meta.copy_(s.spare_meta)
-    torch.add(s.slot_base, s.victim.view(-1), out=s.flat_victim)
-    s.kv_flat.index_copy_(1, s.flat_victim, s.stage_kv.view(2, -1, d))
-    s.meta_flat.index_copy_(1, s.flat_victim, s.stage_meta.view(N_META, -1))
-    return out.view(b, 1, q_heads, d)
+    torch.add(s.slot_base, s.victim_rows, out=s.flat_victim)
+    s.kv_flat.index_copy_(1, s.flat_victim, s.stage_kv_flat)
+    s.meta_flat.index_copy_(1, s.flat_victim, s.stage_meta_flat)
+    return s.out4

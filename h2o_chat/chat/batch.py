@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..cache.policy import never_evicted
 from ..cache.step import N_META, DecodeStep, StackedRows, attend_and_replace, score_dtype
 from ..models.decode import Decoder
 
@@ -332,8 +333,7 @@ class Arena:
         return StackedRows(
             next_id=next_id,
             # rows whose new token is never evicted: a sink (a chat shorter than n_sink) or pinned
-            kept_rows=[r for r, c in enumerate(self.members)
-                       if active[r] and (n_seen[r] < lim.n_sink or c.is_pinned(n_seen[r]))],
+            kept_rows=[r for r, c in enumerate(self.members) if active[r] and never_evicted(n_seen[r], lim.n_sink, c.pins)],
             threshold=(next_id + 1 - lim.n_recent).view(n, 1, 1),
             weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
             beta=(1 + on * (config.decay - 1)).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),  # in acc
@@ -373,18 +373,18 @@ class StackedCache(Cache):
 
     def __init__(self, arena, rows, n):
         self.arena, self.rows, self.n = arena, rows, n
-        self.pending = [None] * len(arena.kv)
         super().__init__(layers=[StackedLayer() for _ in arena.kv])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.pending[layer_idx] = (key_states, value_states)
         kwargs["kwargs"]["h2o_cache"] = self  # the "h2o" attention calls attend() below
         return key_states, value_states
 
-    def attend(self, layer_idx, query, scaling):
-        """query [rows, q_heads, 1, head_dim] -> [rows, 1, q_heads, head_dim]."""
-        keys, values = self.pending[layer_idx]
-        self.pending[layer_idx] = None
+    def begin(self, n_new):
+        """Nothing to resolve: the arena made its members ready (Arena.step)."""
+
+    def attend(self, layer_idx, query, keys, values, scaling):
+        """query [rows, q_heads, 1, head_dim], keys, values [rows, kv_heads, 1, head_dim] ->
+        [rows, 1, q_heads, head_dim]."""
         arena, rows, n = self.arena, self.rows, self.n
         kv, meta = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n]
         step = arena.steps[layer_idx]

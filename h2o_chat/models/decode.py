@@ -7,20 +7,22 @@ building, output capturing); the weights' matmuls are the only work that has to 
 This forward runs the same arithmetic, op for op (so its logits are bitwise those of
 `model(token, cache=cache)`: tests/test_decode.py), in about a third of the ops:
 
-    x = embed[token]                                   [rows, 1, hidden]
+    x = embed[token]                                   [rows, hidden]
     per layer:  h = rms_norm(x) -> q, k, v (rotated) -> cache.attend -> x += o_proj(...)
                 h = rms_norm(x) -> x += down(silu(gate(h)) * up(h))
     logits = lm_head(rms_norm(x))                      [rows, vocab]
 
-The cache is anything with transformers' `update` and our `attend(layer_idx, query, scaling)`:
-an `H2OCache` (any state: filling, full, or `policy="full"`) or a batch of them (batch.py).
-For a model it cannot run exactly (bitsandbytes or offloaded weights, dynamic RoPE, another
-activation), a Decoder calls the model's own forward instead; `Decoder.why_not` says why.
+Each matmul is a plain function decided once per model (`lean_call`): a float model's F.linear,
+or for packed weights (packed.py: int4/int8, loaded by load_model) the kernel, with fewer, larger
+matmuls: one for q/k/v and one for gate/up per layer (quantize.fuse_projections), 4 instead of 7,
+and the lm_head read at 4.5 bits. Its logits equal the model's own forward's (tests/test_decode.py,
+tests/test_quantized.py).
 
-A model with packed weights (packed.py: int4/int8, loaded by load_model) takes the packed step:
-the same arithmetic through the kernels, with fewer, larger matmuls, one for q/k/v and one for
-gate/up per layer (quantize.fuse_projections): per layer 4 matmuls instead of 7, and the
-lm_head read at 4.5 bits. Its logits equal the model's own forward's (tests/test_quantized.py).
+The cache is anything with `begin(n)` and `attend(layer_idx, query, keys, values, scaling)`,
+called directly (transformers' `update` and attention hook are for the model's own forward): an
+`H2OCache` (any state: filling, full, or `policy="full"`) or a batch of them (batch.py). For a
+model it cannot run exactly (bitsandbytes or offloaded weights, dynamic RoPE, another
+activation), a Decoder calls the model's own forward instead; `Decoder.why_not` says why.
 """
 
 from dataclasses import dataclass
@@ -28,48 +30,28 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..cache.h2o import STATIC_ROPE_TYPES, rotate_half  # rotate_half: transformers' own, op for op
+from ..cache.h2o import STATIC_ROPE_TYPES
 from .quantize import PACKED
 
 
 @dataclass(frozen=True)
-class LayerWeights:
-    """One decoder layer's tensors (Linear weights are [out, in]; biases None unless the model has them)."""
+class LayerCalls:
+    """One decoder layer for the lean step. Each matmul is a plain function, rows [n, in] ->
+    [n, out] in the model's dtype (a float nn.Linear's F.linear, or a packed kernel:
+    packed.Int4Linear.lean); slices say where each projection's columns are in its result."""
 
     input_norm: torch.Tensor  # [hidden]
-    q: torch.Tensor  # [q_heads * head_dim, hidden]
-    k: torch.Tensor  # [kv_heads * head_dim, hidden]
-    v: torch.Tensor  # [kv_heads * head_dim, hidden]
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, q_heads * head_dim]
-    o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # [hidden]
-    gate: torch.Tensor  # [intermediate, hidden]
-    up: torch.Tensor  # [intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
-    mlp_biases: tuple  # (gate, up, down) biases, or Nones
-
-
-@dataclass(frozen=True)
-class PackedLayer:
-    """One decoder layer for the packed step. Each matmul is a plain function, rows [n, in] ->
-    [n, out'] in the model's dtype (packed.Int4Linear.lean); slices say where each projection's
-    columns are in its result."""
-
-    input_norm: torch.Tensor  # [hidden]
-    qkv: object  # h [rows, hidden] -> [rows, >= (q_heads + 2 kv_heads) * head_dim]
+    qkv: object  # h [rows, hidden] -> [rows, (q_heads + 2 kv_heads) * head_dim]
     qk: slice | None  # q then k, adjacent in qkv's result (None: not adjacent, q and k are cat)
     q: slice
     k: slice
     v: slice
-    o: object  # [rows, q_heads * head_dim] -> [rows, >= hidden]
+    o: object  # [rows, q_heads * head_dim] -> [rows, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: object  # h [rows, hidden] -> [rows, >= 2 * intermediate]
+    gate_up: object  # h [rows, hidden] -> [rows, 2 * intermediate]
     gate: slice
     up: slice
-    down: object  # [rows, intermediate] -> [rows, >= hidden]
+    down: object  # [rows, intermediate] -> [rows, hidden]
 
 
 class Decoder:
@@ -88,18 +70,12 @@ class Decoder:
         self.inv_freq, self.rope_scaling = rope.inv_freq.float(), rope.attention_scaling
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.scaling = base.layers[0].self_attn.scaling
-        self.q_heads = text.num_attention_heads
-        if self.packed:
-            dtype = self.norm.dtype
-            self.hidden, self.vocab = text.hidden_size, model.lm_head.out_features
-            self.embed_rows = base.embed_tokens  # a module: a float table, or rows of a packed one
-            self.lm_head_call = lean_call(model.lm_head, dtype)
-            self.layers = [packed_layer(layer, text, self.head_dim, dtype) for layer in base.layers]
-            self.step = self.packed_step
-            return
-        self.embed = base.embed_tokens.weight
-        self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias
-        self.layers = [layer_weights(layer) for layer in base.layers]
+        self.q_heads, self.kv_heads, self.hidden = text.num_attention_heads, text.num_key_value_heads, text.hidden_size
+        dtype = self.norm.dtype
+        self.embed = base.embed_tokens  # a module: a float table, or rows of a packed one
+        self.lm_head = lean_call(model.lm_head, dtype)
+        self.layers = [layer_calls(layer, self.head_dim, dtype) for layer in base.layers]
+        self._scratch = {}  # rows -> Scratch: a Decoder runs one step at a time
 
     @torch.no_grad()
     def forward(self, input_ids, cache):
@@ -113,77 +89,70 @@ class Decoder:
     @torch.no_grad()
     def step(self, token_ids, positions, cache):
         """token_ids [rows, 1], each at RoPE position positions [rows] (the tokens its cache has
-        seen) -> logits [rows, vocab] float32."""
+        seen) -> logits [rows, vocab] float32. The cache is called directly: `begin(1)`, then
+        per layer `attend(layer, query, keys, values, scaling)`."""
         if self.why_not is not None:
             out = self.model(token_ids, position_ids=positions[:, None], cache=cache, logits_to_keep=1)
             return out.logits[:, -1].float()
-        x = F.embedding(token_ids, self.embed)  # [rows, 1, hidden]
-        cos, sin = self.rotation(positions, x.dtype)
-        rows, d, q_heads = x.shape[0], self.head_dim, self.q_heads
-        kwargs = {}  # what transformers' attention passes to cache.update; the cache adds itself
+        rows, d, heads = token_ids.shape[0], self.head_dim, (self.q_heads, self.kv_heads)
+        x = self.embed(token_ids).view(rows, self.hidden)
+        cos, sin_flip = self.rotation(positions, x.dtype)  # [rows, 1, 1, head_dim]
+        halves = (rows, -1, 1, 2, d // 2)
+        scratch = self._scratch.get(rows) or self._scratch.setdefault(
+            rows, Scratch.make(rows, self.hidden, x.dtype, self.eps, x.device))
+        cache.begin(1)
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w.input_norm, self.eps)
-            # queries and keys rotated together: one rotation's ops instead of two (elementwise: same bits)
-            qk = torch.cat((F.linear(h, w.q, w.q_bias), F.linear(h, w.k, w.k_bias)), dim=-1).view(rows, 1, -1, d)
-            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # [rows, q_heads + kv_heads, 1, head_dim]
-            q, k = qk[:, :q_heads], qk[:, q_heads:]
-            v = F.linear(h, w.v, w.v_bias).view(rows, 1, -1, d).transpose(1, 2)
-            cache.update(k, v, i, kwargs=kwargs)
-            attn = cache.attend(i, q, self.scaling).reshape(rows, 1, -1)
-            x = x + F.linear(attn, w.o, w.o_bias)
-            h = rms_norm(x, w.post_norm, self.eps)
-            gate_b, up_b, down_b = w.mlp_biases
-            x = x + F.linear(F.silu(F.linear(h, w.gate, gate_b)) * F.linear(h, w.up, up_b), w.down, down_b)
-        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head, self.lm_head_bias)[:, -1].float()
-
-    @torch.no_grad()
-    def packed_step(self, token_ids, positions, cache):
-        """`step` for packed weights (PackedLayer): token_ids [rows, 1] at positions [rows] ->
-        logits [rows, vocab] float32."""
-        x = self.embed_rows(token_ids)  # [rows, 1, hidden]
-        cos, sin = self.rotation(positions, x.dtype)
-        rows, d, q_heads, hidden = x.shape[0], self.head_dim, self.q_heads, self.hidden
-        kwargs = {}
-        for i, w in enumerate(self.layers):
-            y = w.qkv(rms_norm(x, w.input_norm, self.eps).view(rows, hidden))
-            qk = y[:, w.qk] if w.qk is not None else torch.cat((y[:, w.q], y[:, w.k]), dim=-1)
-            qk = qk.view(rows, 1, -1, d)
-            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # [rows, q_heads + kv_heads, 1, head_dim]
-            q, k = qk[:, :q_heads], qk[:, q_heads:]
-            v = y[:, w.v].view(rows, 1, -1, d).transpose(1, 2)
-            cache.update(k, v, i, kwargs=kwargs)
-            attn = cache.attend(i, q, self.scaling).reshape(rows, -1)
-            x = x + w.o(attn)[:, :hidden].view(rows, 1, hidden)
-            gu = w.gate_up(rms_norm(x, w.post_norm, self.eps).view(rows, hidden))
-            x = x + w.down(F.silu(gu[:, w.gate]) * gu[:, w.up])[:, :hidden].view(rows, 1, hidden)
-        return self.lm_head_call(rms_norm(x, self.norm, self.eps).view(rows, hidden))[:, :self.vocab].float()
+            y = w.qkv(rms_norm(x, w.input_norm, scratch))
+            qk = (y[:, w.qk] if w.qk is not None else torch.cat((y[:, w.q], y[:, w.k]), dim=-1)).view(rows, -1, 1, d)
+            # queries and keys rotated together: one rotation's ops instead of two (elementwise: same
+            # bits). rotate_half(x) * sin is (-x2, x1) * sin: here (x2, x1) * (-sin, sin), the same
+            # products (a sign flip rounds symmetrically), in a flip instead of two slices, neg and cat
+            q, k = (qk * cos + qk.view(halves).flip(-2).view(qk.shape) * sin_flip).split(heads, 1)  # [rows, heads, 1, head_dim]
+            v = y[:, w.v].view(rows, -1, 1, d)
+            x = x + w.o(cache.attend(i, q, k, v, self.scaling).view(rows, -1))
+            gu = w.gate_up(rms_norm(x, w.post_norm, scratch))
+            x = x + w.down(F.silu(gu[:, w.gate]) * gu[:, w.up])
+        return self.lm_head(rms_norm(x, self.norm, scratch)).float()
 
     def rotation(self, positions, dtype):
-        """RoPE's cos and sin for the new tokens, [rows, 1, 1, head_dim], as transformers makes them."""
-        freqs = positions[:, None, None].float() * self.inv_freq
+        """RoPE's cos, and sin with its first half negated, for the new tokens, [rows, 1, 1, head_dim],
+        as transformers makes cos and sin."""
+        freqs = positions[:, None, None, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos() * self.rope_scaling, angles.sin() * self.rope_scaling
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # broadcast over [rows, 1, heads, head_dim]
+        sin[..., : self.head_dim // 2].neg_()
+        return cos.to(dtype), sin.to(dtype)  # broadcast over [rows, heads, 1, head_dim]
 
 
-def rms_norm(x, weight, eps):
-    """LlamaRMSNorm, op for op: in float32, back to the model's dtype before the weight."""
-    x32 = x.to(torch.float32)
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+@dataclass(frozen=True)
+class Scratch:
+    """Buffers a step reuses for `rows` rows, so a norm's casts are one copy_ each where `.float()`
+    and `.to(dtype)` are four ops (to, _to_copy, empty_strided, copy_), and its constants are
+    tensors already (a Python number becomes a tensor and is cast, four more ops each time)."""
+
+    wide: torch.Tensor  # [rows, hidden] float32
+    narrow: torch.Tensor  # [rows, hidden] the model's dtype
+    count: torch.Tensor  # 0-d float32: hidden, what `mean` divides by
+    eps: torch.Tensor  # 0-d float32: the norms' epsilon
+
+    @classmethod
+    def make(cls, rows, hidden, dtype, eps, device):
+        return cls(wide=torch.empty(rows, hidden, device=device), narrow=torch.empty(rows, hidden, dtype=dtype, device=device),
+                   count=torch.tensor(float(hidden), device=device), eps=torch.tensor(eps, dtype=torch.float32, device=device))
 
 
-def layer_weights(layer):
-    attn, mlp = layer.self_attn, layer.mlp
-    return LayerWeights(
-        input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-        q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight, o=attn.o_proj.weight,
-        q_bias=attn.q_proj.bias, k_bias=attn.k_proj.bias, v_bias=attn.v_proj.bias, o_bias=attn.o_proj.bias,
-        gate=mlp.gate_proj.weight, up=mlp.up_proj.weight, down=mlp.down_proj.weight,
-        mlp_biases=(mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias))
+def rms_norm(x, weight, s: Scratch):
+    """LlamaRMSNorm's bits, x [rows, hidden]: in float32, back to the model's dtype before the
+    weight. Its `mean` is `sum` then `div_` by the count on a CPU, x.pow(2) is x * x, and the
+    in-place ops round as the out-of-place ones (tests/test_decode.py holds this to the model's
+    bits); 10 ops instead of 26."""
+    x32 = s.wide.copy_(x)
+    variance = (x32 * x32).sum(-1, keepdim=True).div_(s.count)
+    return weight * s.narrow.copy_(x32.mul_(variance.add_(s.eps).rsqrt_()))
 
 
 def lean_call(module, dtype):
-    """rows [n, in] -> [n, out'] in `dtype` for a packed module or a float nn.Linear."""
+    """rows [n, in] -> [n, out] in `dtype` for a packed module or a float nn.Linear."""
     if isinstance(module, PACKED):
         return module.lean(dtype)
     weight, bias = module.weight, module.bias
@@ -199,14 +168,14 @@ def joined(parts, fused, dtype):
     calls, widths = [lean_call(p, dtype) for p in parts], [p.out_features for p in parts]
     starts = [sum(widths[:i]) for i in range(len(parts))]
     spans = [slice(s, s + w) for s, w in zip(starts, widths)]
-    return (lambda rows: torch.cat([c(rows)[:, :w] for c, w in zip(calls, widths)], dim=-1)), spans
+    return (lambda rows: torch.cat([c(rows) for c in calls], dim=-1)), spans
 
 
-def packed_layer(layer, text, head_dim, dtype):
+def layer_calls(layer, head_dim, dtype):
     attn, mlp = layer.self_attn, layer.mlp
     qkv, (q, k, v) = joined([attn.q_proj, attn.k_proj, attn.v_proj], getattr(attn, "qkv_proj", None), dtype)
     gate_up, (gate, up) = joined([mlp.gate_proj, mlp.up_proj], getattr(mlp, "gate_up_proj", None), dtype)
-    return PackedLayer(input_norm=layer.input_layernorm.weight, qkv=qkv, qk=slice(q.start, k.stop) if q.stop == k.start else None,
+    return LayerCalls(input_norm=layer.input_layernorm.weight, qkv=qkv, qk=slice(q.start, k.stop) if q.stop == k.start else None,
                        q=q, k=k, v=v, o=lean_call(attn.o_proj, dtype), post_norm=layer.post_attention_layernorm.weight,
                        gate_up=gate_up, gate=gate, up=up, down=lean_call(mlp.down_proj, dtype))
 

@@ -231,19 +231,20 @@ class Int4Linear(nn.Module):
 
     def lean(self, dtype):
         """This layer as one plain function for the lean decode step: rows [n, in_features] in
-        `dtype` -> [n, out_pad] in `dtype` (columns past out_features are padding), bias added.
-        Everything that does not change per call (which kernel, casts, padding) is decided here."""
+        `dtype` -> [n, out_features] in `dtype`, bias added. Everything that does not change per
+        call (which kernel, casts, padding) is decided here."""
         kernel = (torch.ops.aten._weight_int4pack_mm_for_cpu if self.packed.device.type == "cpu"
                   else torch.ops.aten._weight_int4pack_mm)
-        packed, scales = self.packed, self.scales_and_zeros.contiguous()
-        bias = None if self.bias is None else F.pad(self.bias, (0, packed.shape[0] - self.bias.shape[0]))
+        packed, scales, bias, out = self.packed, self.scales_and_zeros.contiguous(), self.bias, self.out_features
         cast, pad = dtype != COMPUTE_DTYPE, self.repeats > 1 or self.width != self.in_features
-        if not (cast or pad or bias is not None):
+        trim = scales.shape[1] != out  # the padded rows' columns are dropped
+        if not (cast or pad or trim or bias is not None):
             return lambda rows: kernel(rows, packed, GROUP, scales)
 
         def call(rows):
             rows = rows.to(COMPUTE_DTYPE) if cast else rows
             y = kernel(self.pad_input(rows) if pad else rows, packed, GROUP, scales)
+            y = y[:, :out] if trim else y
             y = y if bias is None else y + bias
             return y.to(dtype) if cast else y
         return call
