@@ -219,6 +219,10 @@ def test_bench_ops_counts_ops_and_the_one_streaming_sync(tiny_model_dir, play_te
     # the lean step runs the same cache with fewer ops than transformers' forward around it
     assert rows["h2o+lean"]["ops_per_token"] < rows["h2o"]["ops_per_token"]
     assert rows["full+lean"]["ops_per_token"] < rows["full"]["ops_per_token"]
+    # where a token's time goes: the float32 tiny model's matmuls are aten::mm/addmm, its attention
+    # in the h2o cache a bmm; everything else is "rest"
+    assert all(r["ms_per_token"] > 0 and r["profiled_ms_rest"] > 0 for r in rows.values())
+    assert rows["h2o+lean"]["profiled_ms_matmul"] > 0 and rows["h2o+lean"]["profiled_ms_attention"] > 0
 
 
 def test_count_ops_sees_every_kind_of_host_sync():
@@ -232,8 +236,9 @@ def test_count_ops_sees_every_kind_of_host_sync():
         x.tolist()  # counted by the patched method
         x.numpy()
 
-    ops_per_step, syncs, names = ops.count_ops(step, 2)
+    ops_per_step, syncs, names, split = ops.count_ops(step, 2)
     assert syncs == 4 and ops_per_step > 0 and names["aten::sum"] == 2
+    assert split["matmul"] == split["attention"] == 0 and split["rest"] > 0
     assert torch.Tensor.tolist(x) == [1.0, 1.0, 1.0]  # the patch is gone afterwards
 
 

@@ -1,10 +1,17 @@
 """`python -m h2o_chat.bench ops`: aten ops and host syncs per decode token, after --seen tokens
-(the profiler), for DynamicCache, h2o, full and the app's lean step ('+lean').
+(the profiler), for DynamicCache, h2o, full and the app's lean step ('+lean'), and where the time
+of a token goes: milliseconds per token without the profiler (the median of --steps), and the
+profiler's self time split into the weights' matmuls, the attention (its bmm, softmax and the
+score's baddbmm) and every other op (the profiler adds its own cost to each op, most to the
+smallest ones, so the split is a proportion, not a sum of the unprofiled time).
 
 A decode step is the model's forward on the last token, the greedy pick, and the one `.item()`
 that streams the token (what ChatSession does). h2o's budget is below --seen, so it evicts at
 every step.
 """
+
+import statistics
+import time
 
 import torch
 
@@ -39,10 +46,16 @@ class SyncCounter:
             setattr(torch.Tensor, name, method)
 
 
+MATMULS = {"aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm",
+           "aten::mm", "aten::addmm"}
+ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::_softmax"}
+
+
 def count_ops(step, steps):
     """Run `step()` `steps` times under the profiler; returns (aten ops per step, host syncs per
-    step, Counter of op names). Every aten call counts, nested ones too (a matmul that calls a
-    bmm is two), so the figure is what the dispatcher runs, not what Python wrote."""
+    step, Counter of op names, {"matmul", "attention", "rest"}: self milliseconds per step). Every
+    aten call counts, nested ones too (a matmul that calls a bmm is two), so the figure is what the
+    dispatcher runs, not what Python wrote."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
@@ -52,7 +65,22 @@ def count_ops(step, steps):
             step()
     names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
     syncs = names["aten::_local_scalar_dense"] + python_syncs.count
-    return sum(names.values()) / steps, syncs / steps, names
+    split = {"matmul": 0.0, "attention": 0.0, "rest": 0.0}
+    for op in prof.key_averages():
+        if op.key.startswith("aten::"):
+            kind = "matmul" if op.key in MATMULS else "attention" if op.key in ATTENTION else "rest"
+            split[kind] += op.self_cpu_time_total / 1e3 / steps
+    return sum(names.values()) / steps, syncs / steps, names, split
+
+
+def ms_per_step(step, steps):
+    """The median wall time of `step()` over `steps` runs, in milliseconds, without the profiler."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def run(args):
@@ -73,9 +101,11 @@ def run(args):
 
                 for _ in range(2):  # warm-up: first-call paths and lazily built state
                     step()
-                ops, syncs, counts[quantization, method] = count_ops(step, args.steps)
+                ms = ms_per_step(step, args.steps)
+                ops, syncs, counts[quantization, method], split = count_ops(step, args.steps)
             rows.append({"quantization": quantization, "method": method, "ops_per_token": round(ops),
-                         "syncs_per_token": round(syncs, 2)})
+                         "syncs_per_token": round(syncs, 2), "ms_per_token": round(ms, 2),
+                         **{f"profiled_ms_{kind}": round(v, 2) for kind, v in split.items()}})
     base = rows[0]
     for row in rows:
         row[f"added_vs_{base['method']}"] = row["ops_per_token"] - base["ops_per_token"]
@@ -83,7 +113,8 @@ def run(args):
         row["most_added"] = ", ".join(f"{name[6:]} {n / args.steps:+.0f}" for name, n in added.most_common(6))
     meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
             "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights}
-    columns = ["method", "ops_per_token", f"added_vs_{base['method']}", "syncs_per_token", "most_added"]
+    columns = ["method", "ops_per_token", f"added_vs_{base['method']}", "syncs_per_token", "ms_per_token",
+               "profiled_ms_matmul", "profiled_ms_attention", "profiled_ms_rest", "most_added"]
     if len(args.quantization) > 1:
         columns.insert(0, "quantization")
     write_results(args.out, "ops", rows, columns, meta)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .policy import heavy_score
+
 IDS, POS, KEY, SCORE, QUERIES = range(5)  # rows of a layer's meta buffer
 N_META = 5
 INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # same width: one is a view of the other
@@ -192,7 +194,7 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     # the victim: the unprotected slot of lowest priority, the older token on ties
     torch.ge(s.key, s.threshold if rows is None else rows.threshold, out=s.protected)
     if config.policy == "h2o":
-        priority = s.scores / s.queries.clamp(min=1) if config.score == "mean" else s.scores
+        priority = heavy_score(s.scores, s.queries, config.score)
         torch.where(s.protected, s.inf, priority, out=s.rank)
         torch.amin(s.rank, -1, keepdim=True, out=s.lowest)
         torch.eq(s.rank, s.lowest, out=s.is_lowest)
