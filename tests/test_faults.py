@@ -174,7 +174,7 @@ class OutOfMemory:
         self.countdown, self.decode, self.failing = None, False, False
         attend, last = H2OCache.attend, model.config.num_hidden_layers - 1
 
-        def failing_attend(cache, layer_idx, query, scaling):
+        def failing_attend(cache, layer_idx, query, keys, values, scaling):
             if layer_idx == 0 and self.countdown is not None and (query.shape[2] == 1 or not self.decode):
                 self.countdown -= 1
                 self.failing = self.countdown == 0
@@ -182,7 +182,7 @@ class OutOfMemory:
             if layer_idx == last and self.failing:
                 self.failing = False
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-            return attend(cache, layer_idx, query, scaling)
+            return attend(cache, layer_idx, query, keys, values, scaling)
 
         monkeypatch.setattr(H2OCache, "attend", failing_attend)
 
