@@ -323,17 +323,17 @@ def test_eviction_ties_keep_the_newer_token():
     priority = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0]]])
     protected = ids == 0
     from h2o_chat.cache.policy import protection_key, select_keep
-    from h2o_chat.cache.step import IDS, KEY, N_META, SCORE, DecodeStep, attend_and_replace
+    from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, SCORE, DecodeStep, attend_and_replace
 
     assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
     # the decode step, the same slots plus token 6 in the spare slot: a query of zeros adds the same
     # mass to every slot, so the tie stays, and token 1 (slot 3), the oldest, gives its slot to 6
-    kv, meta = torch.zeros(2, 1, 1, 7, 4), torch.zeros(N_META, 1, 1, 7, dtype=torch.int32)
+    kv, meta, acc = torch.zeros(2, 1, 1, 7, 4), torch.zeros(N_META, 1, 1, 7, dtype=torch.int32), torch.zeros(N_ACC, 1, 1, 7)
     meta[IDS, :, :, :6] = ids.int()
     meta[KEY, :, :, :6] = protection_key(ids.int(), n_sink=1)
-    meta.view(torch.float32)[SCORE, :, :, :6] = priority
+    acc[SCORE, :, :, :6] = priority
     query = torch.zeros(1, 1, 1, 4)
-    step = DecodeStep.over(kv, meta, query, scaling=1.0)
+    step = DecodeStep.over(kv, meta, acc, query, scaling=1.0)
     step.write_spare(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), next_id=6)
     step.threshold.fill_(6)  # n_seen 7, one recent token: the new one
     attend_and_replace(step, query, CacheConfig(policy="h2o", budget=6, n_sink=1, n_recent=1))
@@ -349,14 +349,14 @@ def test_a_full_layer_decodes_without_host_syncs_or_new_buffers(dtype):
     model = make_tiny_llama(dtype)
     cache = H2OCache(model, policy="h2o", budget=16, n_sink=2, n_recent=4, positions="rolling")
     token = model(torch.randint(0, 128, (1, 30)), cache=cache).logits[:, -1:].argmax(-1)
-    buffers = [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.kv.shape) for layer in cache.layers]
+    buffers = [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.acc.data_ptr(), layer.kv.shape) for layer in cache.layers]
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(40):  # past a re-lay of the positions (every 2 x budget tokens)
             token = model(token, cache=cache).logits[:, -1:].argmax(-1)
     names = [e.name for e in prof.events()]
     assert "aten::_local_scalar_dense" not in names and "aten::is_nonzero" not in names  # no .item(), no bool()
     assert cache.layers[0].roll_floor > 0  # a re-lay happened inside the profiled steps
-    assert [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.kv.shape) for layer in cache.layers] == buffers
+    assert [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.acc.data_ptr(), layer.kv.shape) for layer in cache.layers] == buffers
     assert all(layer.n_slots == 16 and layer.capacity == 17 for layer in cache.layers)
 
 

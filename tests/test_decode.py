@@ -40,7 +40,7 @@ def decode_both(model, steps=40, batch=1, prompt_len=9, **cache_kwargs):
 def assert_same_state(own, lean):
     for i, (a, b) in enumerate(zip(own.layers, lean.layers)):
         assert (a.n_seen, a.n_slots, a.roll_floor) == (b.n_seen, b.n_slots, b.roll_floor), f"layer {i}"
-        assert torch.equal(a.kv, b.kv) and torch.equal(a.meta, b.meta), f"layer {i}: buffers differ"
+        assert torch.equal(a.kv, b.kv) and torch.equal(a.meta, b.meta) and torch.equal(a.acc, b.acc), f"layer {i}"
 
 
 @pytest.mark.parametrize("positions", ["absolute", "rolling"])

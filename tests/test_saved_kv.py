@@ -24,6 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from h2o_chat import ChatSession
 from h2o_chat.bench.reopen import openwebui_branches
+from h2o_chat.cache.h2o import pack_meta
 from h2o_chat.chat import saved_kv, store
 from h2o_chat.models.load import load_model
 from h2o_chat.serve import cli
@@ -52,11 +53,11 @@ def bits(t):
 
 
 def assert_same_state(a, b):
-    """Every layer's buffers bit for bit (keys, values, and the slots' ids, positions and scores
-    through their integer view), the counts, pins, limits, logits and the token ledger."""
+    """Every layer's buffers bit for bit (keys, values, the slots' ids, positions and scores), the
+    counts, pins, limits, logits and the token ledger."""
     for x, y in zip(a.cache.layers, b.cache.layers, strict=True):
         assert (x.n_seen, x.n_slots, x.roll_floor) == (y.n_seen, y.n_slots, y.roll_floor)
-        assert torch.equal(bits(x.kv), bits(y.kv)) and torch.equal(x.meta, y.meta)
+        assert torch.equal(bits(x.kv), bits(y.kv)) and torch.equal(x.meta, y.meta) and torch.equal(bits(x.acc), bits(y.acc))
     assert a.cache.pins == b.cache.pins and a.cache.limits == b.cache.limits
     assert torch.equal(bits(a.timeline.logits), bits(b.timeline.logits))
     assert a.ledger == b.ledger
@@ -469,7 +470,7 @@ def test_sigkill_then_restart_reopens_bit_for_bit_through_the_app_and_v1(tmp_pat
     with safe_open(str(newest(data, conversation_id)), framework="pt") as f:
         for i, layer in enumerate(reference.cache.layers):
             assert torch.equal(bits(f.get_tensor(f"layer.{i}.kv")), bits(layer.kv))
-            assert torch.equal(f.get_tensor(f"layer.{i}.meta"), layer.meta)
+            assert torch.equal(f.get_tensor(f"layer.{i}.meta"), pack_meta(layer.meta, layer.acc))  # the format of before
 
     # a session opened here (on a copy: the restarted server gets the folder as the kill left it)
     copy = tmp_path / "copy"

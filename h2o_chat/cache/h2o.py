@@ -8,7 +8,7 @@ Per layer it holds, for each batch row and KV head, `slots` cached tokens:
     positions      [batch, kv_heads, slots]  RoPE position the key is rotated to now
 Heads evict independently, so each head holds different tokens but the same number of them and
 the tensors stay dense. Slot order means nothing to attention; `token_ids` says who is where.
-They live in two packed buffers per layer (see step.py).
+They live in three packed buffers per layer (see step.py).
 
 One owner per piece of state: an `H2OLayer` owns its buffers, and every change to its slots is a
 method of it; the `H2OCache` owns the settings, the resolved budget and the pins, and hands its
@@ -34,11 +34,22 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import scoring
 from .config import Budget, CacheConfig
 from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
-from .step import IDS, INT_OF, KEY, N_META, POS, QUERIES, SCORE, DecodeStep, attend_and_replace, score_dtype
+from .step import IDS, INT_OF, KEY, N_ACC, N_META, POS, QUERIES, SCORE, DecodeStep, attend_and_replace, score_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GROWTH = 256  # slots an unbounded layer grows by
+
+
+def pack_meta(meta, acc):
+    """[N_META + N_ACC, ...] integers: meta, then acc's bits (the saved-state format)."""
+    return torch.cat((meta, acc.view(meta.dtype)))
+
+
+def unpack_meta(packed, acc_dtype):
+    """`pack_meta`'s tensor back as (meta, acc), each in memory of its own (a layer may adopt them:
+    no buffer is a view of another dtype's memory), acc in `acc_dtype`."""
+    return packed[:N_META].clone(), packed[N_META:].view(acc_dtype).clone()
 
 
 def rotate_half(x):
@@ -104,6 +115,7 @@ class H2OLayer(CacheLayerMixin):
         self.n_slots = 0
         self.kv = None  # [2, batch, kv_heads, capacity, head_dim]
         self.meta = None  # [N_META, batch, kv_heads, capacity] integer
+        self.acc = None  # [N_ACC, batch, kv_heads, capacity] the score dtype
         self.pins_seen = None  # the pins the protection keys were computed for
         self.roll_floor = 0  # no key sits at a position below this (rolling positions)
         self.step = None  # the decode step's views and scratch buffers, made at its first run
@@ -125,9 +137,9 @@ class H2OLayer(CacheLayerMixin):
             if self.kv is None:
                 self._live = (None,) * 6
             else:
-                n, meta_f = self.n_slots, self.meta.view(score_dtype(self.kv.dtype))
+                n = self.n_slots
                 self._live = (self.kv[0, :, :, :n], self.kv[1, :, :, :n], self.meta[IDS, :, :, :n],
-                              self.meta[POS, :, :, :n], meta_f[SCORE, :, :, :n], meta_f[QUERIES, :, :, :n])
+                              self.meta[POS, :, :, :n], self.acc[SCORE, :, :, :n], self.acc[QUERIES, :, :, :n])
         return self._live
 
     keys = property(lambda self: self._live_views()[0], doc="[batch, kv_heads, slots, head_dim]")
@@ -160,22 +172,23 @@ class H2OLayer(CacheLayerMixin):
         """(token_ids long, heavy-hitter scores), each [batch, kv_heads, slots], copied from one
         reading of the buffers (None before it holds anything): safe while another thread feeds the
         layer (the app's panel does this), where two property reads could see two slot counts."""
-        kv, meta, n = self.kv, self.meta, self.n_slots
+        kv, meta, acc, n = self.kv, self.meta, self.acc, self.n_slots
         if kv is None:
             return None
-        meta_f = meta.view(score_dtype(kv.dtype))
-        scores = heavy_score(meta_f[SCORE, :, :, :n], meta_f[QUERIES, :, :, :n], self.config.score)
+        scores = heavy_score(acc[SCORE, :, :, :n], acc[QUERIES, :, :, :n], self.config.score)
         return meta[IDS, :, :, :n].long(), scores.clone()
 
     def snapshot(self):
-        return self.n_seen, self.n_slots, self.roll_floor, None if self.kv is None else (self.kv.clone(), self.meta.clone())
+        buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone())
+        return self.n_seen, self.n_slots, self.roll_floor, buffers
 
     @staticmethod
     def state_tensors(state, prefix):
-        """A `snapshot()` as named tensors (`prefix` kv, meta; none before the layer holds anything)
+        """A `snapshot()` as named tensors (`prefix` kv, meta: meta and acc packed as one integer
+        tensor, `pack_meta`; none before the layer holds anything)
         and its counts (n_seen, n_slots, roll_floor): what a saved cache file holds of this layer."""
         n_seen, n_slots, roll_floor, buffers = state
-        tensors = {} if buffers is None else {prefix + "kv": buffers[0], prefix + "meta": buffers[1]}
+        tensors = {} if buffers is None else {prefix + "kv": buffers[0], prefix + "meta": pack_meta(*buffers[1:])}
         return tensors, (n_seen, n_slots, roll_floor)
 
     @staticmethod
@@ -202,8 +215,9 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError(f"keys and values of shape {list(kv.shape)}, the model has {kv_heads} KV heads of "
                              f"{head_dim}")
         capacity = kv.shape[3]
-        if list(meta.shape) != [N_META, *kv.shape[1:4]]:
+        if list(meta.shape) != [N_META + N_ACC, *kv.shape[1:4]]:
             raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}")
+        meta, acc = unpack_meta(meta, score_dtype(dtype))
         bounded = limits is not None and limits.budget is not None
         if n_slots > capacity or (bounded and (capacity != limits.budget + 1 or n_slots > limits.budget)):
             raise ValueError(f"{n_slots} slots in buffers of {capacity} for a budget of "
@@ -211,7 +225,7 @@ class H2OLayer(CacheLayerMixin):
         ids = meta[IDS, :, :, :n_slots]
         if n_slots and (int(ids.min()) < 0 or int(ids.max()) >= n_seen):
             raise ValueError("slots hold tokens that were never fed")
-        return n_seen, n_slots, roll_floor, (kv, meta)
+        return n_seen, n_slots, roll_floor, (kv, meta, acc)
 
     def restore(self, state, adopt=False):
         """Back to a `snapshot()` (which stays valid, unless `adopt`: its buffers may become the
@@ -223,19 +237,20 @@ class H2OLayer(CacheLayerMixin):
         elif self.kv is not None and self.kv.shape == buffers[0].shape:
             self.kv.copy_(buffers[0])
             self.meta.copy_(buffers[1])
+            self.acc.copy_(buffers[2])
             self.n_slots = n_slots
             self._forget_views()
         elif adopt:
-            self.set_buffers(buffers[0], buffers[1], n_slots)
+            self.set_buffers(*buffers, n_slots)
         else:
-            self.set_buffers(buffers[0].clone(), buffers[1].clone(), n_slots)
+            self.set_buffers(*(b.clone() for b in buffers), n_slots)
         self.n_seen, self.roll_floor = n_seen, roll_floor
         self.pins_seen = None  # the snapshot's keys were made for its own pins: the cache's are set again
 
     # --- buffers ----------------------------------------------------------------------------------
-    def set_buffers(self, kv, meta, n_slots):
+    def set_buffers(self, kv, meta, acc, n_slots):
         """Hold these buffers (chat/batch.py hands a layer views of a shared arena's row, and back)."""
-        self.kv, self.meta, self.n_slots, self.step = kv, meta, n_slots, None
+        self.kv, self.meta, self.acc, self.n_slots, self.step = kv, meta, acc, n_slots, None
         self.is_initialized = kv is not None
         self._forget_views()
 
@@ -244,10 +259,12 @@ class H2OLayer(CacheLayerMixin):
         b, h, _, d = like.shape
         kv = like.new_zeros(2, b, h, capacity, d)
         meta = torch.zeros(N_META, b, h, capacity, dtype=INT_OF[score_dtype(like.dtype)], device=like.device)
+        acc = torch.zeros(N_ACC, b, h, capacity, dtype=score_dtype(like.dtype), device=like.device)
         if self.kv is not None:
             kv[:, :, :, : self.n_slots] = self.kv[:, :, :, : self.n_slots]
             meta[..., : self.n_slots] = self.meta[..., : self.n_slots]
-        self.set_buffers(kv, meta, self.n_slots)
+            acc[..., : self.n_slots] = self.acc[..., : self.n_slots]
+        self.set_buffers(kv, meta, acc, self.n_slots)
 
     def refresh_protection(self, n_sink, pins):
         """The live slots' protection keys for these pins (nothing to do if they were made for them)."""
@@ -282,27 +299,29 @@ class H2OLayer(CacheLayerMixin):
             self.allocate(budget + 1 if budget is not None else -(-total // GROWTH) * GROWTH, keys)
         if n == 1 and total <= self.capacity:
             self._write_token(keys, values, limits.n_sink, pins)
-            kv, meta = self.kv[:, :, :, :total], self.meta[..., :total]
+            kv, meta, acc = self.kv[:, :, :, :total], self.meta[..., :total], self.acc[..., :total]
         elif total <= self.capacity:
             s = slice(self.n_slots, total)
             self.kv[0, :, :, s], self.kv[1, :, :, s] = keys, values
             self.meta[..., s] = self._new_meta(b, h, n, limits.n_sink, pins)
-            kv, meta = self.kv[:, :, :, :total], self.meta[..., :total]
+            self.acc[..., s] = 0
+            kv, meta, acc = self.kv[:, :, :, :total], self.meta[..., :total], self.acc[..., :total]
         else:  # a chunk larger than the spare room: attend over temporaries, keep into the buffers
             kv = torch.cat((self.kv[:, :, :, : self.n_slots], torch.stack((keys, values))), dim=3)
             meta = torch.cat((self.meta[..., : self.n_slots], self._new_meta(b, h, n, limits.n_sink, pins)), dim=3)
+            acc = torch.cat((self.acc[..., : self.n_slots], self.acc.new_zeros(N_ACC, b, h, n)), dim=3)
         self.n_seen += n
-        meta_f = meta.view(score_dtype(keys.dtype))
         out, probs = scoring.grouped_attention(query, kv[0], kv[1], scaling)
-        scoring.add_mass(meta_f[SCORE], meta_f[QUERIES], probs, self.config.score, self.config.decay)
+        scoring.add_mass(acc[SCORE], acc[QUERIES], probs, self.config.score, self.config.decay)
         evicted = budget is not None and total > budget
         if evicted:
             protected = meta[KEY] >= self.n_seen - limits.n_recent
-            ranks = priority(self.config.policy, self.config.score, meta[IDS], meta_f[SCORE], meta_f[QUERIES])
+            ranks = priority(self.config.policy, self.config.score, meta[IDS], acc[SCORE], acc[QUERIES])
             keep = select_keep(meta[IDS], ranks, protected, budget)
             kept_kv = kv.gather(3, keep[None, ..., None].expand(2, -1, -1, -1, d))
             kept_meta = meta.gather(3, keep[None].expand(N_META, -1, -1, -1))
-            self.kv[:, :, :, :budget], self.meta[..., :budget] = kept_kv, kept_meta
+            kept_acc = acc.gather(3, keep[None].expand(N_ACC, -1, -1, -1))
+            self.kv[:, :, :, :budget], self.meta[..., :budget], self.acc[..., :budget] = kept_kv, kept_meta, kept_acc
             total = budget
         self.n_slots = total
         self._forget_views()
@@ -314,7 +333,7 @@ class H2OLayer(CacheLayerMixin):
         """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a layer holding
         `budget` slots. Returns [batch, 1, q_heads, head_dim]."""
         if self.step is None:
-            self.step = DecodeStep.over(self.kv, self.meta, query, scaling)
+            self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling)
         every_row = slice(None)
         self.step.write_spare(keys, values, self.n_seen, [every_row] if never_evicted(self.n_seen, limits.n_sink, pins) else ())
         self.n_seen += 1
@@ -357,7 +376,7 @@ class H2OLayer(CacheLayerMixin):
         self.roll_floor = self.n_seen - self.n_slots
 
     def _new_meta(self, b, h, n, n_sink, pins):
-        """[N_META, b, h, n]: the meta of the next n tokens (scores and query counts zero)."""
+        """[N_META, b, h, n]: the meta of the next n tokens."""
         ids = torch.arange(self.n_seen, self.n_seen + n, device=self.meta.device, dtype=self.meta.dtype)
         meta = self.meta.new_zeros(N_META, b, h, n)
         meta[IDS], meta[POS] = ids, ids  # new keys come rotated to their true position
@@ -374,7 +393,7 @@ class H2OLayer(CacheLayerMixin):
         meta[IDS : KEY + 1].fill_(self.n_seen)  # its id, its position, its protection key
         if never_evicted(self.n_seen, n_sink, pins):
             meta[KEY].fill_(torch.iinfo(meta.dtype).max)
-        meta[SCORE:].fill_(0)
+        self.acc[..., slot].fill_(0)
 
 
 class H2OCache(Cache):
@@ -488,9 +507,9 @@ class H2OCache(Cache):
     def export_state(self, snapshot):
         """A `snapshot()` as (tensors, info) for a file (chat/saved_kv.py): per layer i that holds
         anything `layer.{i}.kv` [2, batch, kv_heads, capacity, head_dim] and `layer.{i}.meta`
-        [N_META, batch, kv_heads, capacity] (integers: the scores travel as their bits), and
+        [N_META + N_ACC, batch, kv_heads, capacity] (integers: the scores travel as their bits), and
         `layer.counts` [layers, 3] (n_seen, n_slots, roll_floor); info: the pins and resolved
-        limits, plain values. The tensors are the snapshot's own (no copy)."""
+        limits, plain values. The kv tensors are the snapshot's own (no copy); meta is packed anew."""
         layers, pins, limits = snapshot
         tensors, counts = {}, []
         for i, state in enumerate(layers):

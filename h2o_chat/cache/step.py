@@ -1,11 +1,15 @@
 """A layer's slots in memory, and the decode step over them: the hot path, once per token per layer.
 
-Two packed buffers per layer, so the fields that move together move in one copy:
+Three packed buffers per layer, so the fields that move together move in one copy:
     kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype
     meta  [N_META, batch, kv_heads, capacity]       integers (int32; int64 for a float64 model):
-          token id, RoPE position, protection key (see policy.protection_key), and the bits of
-          the float32 (float64) score and query count. Moves go through the integer view, so
-          they are bit-exact; arithmetic on the scores goes through a float view of the memory.
+          token id, RoPE position, protection key (see policy.protection_key)
+    acc   [N_ACC, batch, kv_heads, capacity]        the score dtype (float32; float64): the
+          attention mass each slot received and the queries that could see it
+Each is a tensor of its own dtype, never a view of another's memory in a second dtype, so a
+compiler can read them (inductor refuses a mutated input viewed as two dtypes). A saved state
+packs meta and acc into one integer tensor as the file format has always held them
+(h2o.pack_meta, h2o.unpack_meta).
 
 Once a bounded layer holds `budget` slots, its buffers have budget + 1: the last is the spare. A
 decode step writes the new token into the spare (`DecodeStep.write_spare`), attends over every
@@ -23,9 +27,11 @@ import torch
 
 from .policy import heavy_score
 
-IDS, POS, KEY, SCORE, QUERIES = range(5)  # rows of a layer's meta buffer
-N_META = 5
-INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # same width: one is a view of the other
+IDS, POS, KEY = range(3)  # rows of a layer's meta buffer
+N_META = 3
+SCORE, QUERIES = range(2)  # rows of its acc buffer
+N_ACC = 2
+INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # the meta dtype for each score dtype: same width
 
 
 def score_dtype(model_dtype):
@@ -66,6 +72,7 @@ class DecodeStep:
     spare_v: torch.Tensor
     spare_kv: torch.Tensor  # [2, b, h, 1, d]
     spare_meta: torch.Tensor  # [N_META, b, h, 1]
+    spare_acc4: torch.Tensor  # [N_ACC, b, h, 1]
     spare_ints: torch.Tensor  # [3, b, h]: the spare's id, position and protection key
     spare_key: torch.Tensor  # [b, h]
     spare_acc: torch.Tensor  # [2, b, h]: its score and query count
@@ -96,33 +103,36 @@ class DecodeStep:
     victim: torch.Tensor  # [b, h, 1] long
     stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
     stage_meta: torch.Tensor  # [N_META, b, h, 1]
+    stage_acc: torch.Tensor  # [N_ACC, b, h, 1]
     stage_kv_flat: torch.Tensor  # [2, b*h, d]: views of the two above, as index_copy_ reads them
     stage_meta_flat: torch.Tensor  # [N_META, b*h]
+    stage_acc_flat: torch.Tensor  # [N_ACC, b*h]
     kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
     meta_flat: torch.Tensor  # [N_META, b*h*cap]
+    acc_flat: torch.Tensor  # [N_ACC, b*h*cap]
     slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
     victim_rows: torch.Tensor  # [b*h]: a view of victim
     flat_victim: torch.Tensor  # [b*h]
     out4: torch.Tensor  # [b, 1, q_heads, d]: a view of out, what attend returns
 
     @classmethod
-    def over(cls, kv, meta, query, scaling):
-        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], query [b, q_heads, 1, d]."""
-        meta_f = meta.view(score_dtype(kv.dtype))
+    def over(cls, kv, meta, acc_buf, query, scaling):
+        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [N_ACC, b, h, cap], query [b, q_heads, 1, d]."""
         _, b, h, cap, d = kv.shape
         group, spare = query.shape[1] // h, cap - 1
-        acc, dev = meta_f.dtype, kv.device
+        acc, dev = acc_buf.dtype, kv.device
         out, victim = kv.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
         stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
+        stage_acc = acc_buf.new_empty(N_ACC, b, h, 1)
         return cls(
             group=group,
             spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
-            spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:],
-            spare_ints=meta[IDS : KEY + 1, :, :, spare], spare_key=meta[KEY, :, :, spare],
-            spare_acc=meta[SCORE:, :, :, spare],
+            spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:], spare_acc4=acc_buf[..., spare:],
+            spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
+            spare_acc=acc_buf[:, :, :, spare],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            ids=meta[IDS], key=meta[KEY], scores=meta_f[SCORE], queries=meta_f[QUERIES],
-            scores3=meta_f[SCORE].view(b * h, 1, cap),
+            ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
+            scores3=acc_buf[SCORE].view(b * h, 1, cap),
             ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
             scale=torch.tensor(scaling, dtype=acc, device=dev),
             one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
@@ -141,11 +151,13 @@ class DecodeStep:
             is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
             victim=victim, victim_rows=victim.view(b * h),
-            stage_kv=stage_kv, stage_meta=stage_meta,
+            stage_kv=stage_kv, stage_meta=stage_meta, stage_acc=stage_acc,
             stage_kv_flat=stage_kv.view(2, b * h, d), stage_meta_flat=stage_meta.view(N_META, b * h),
+            stage_acc_flat=stage_acc.view(N_ACC, b * h),
             # the victims as indices into the slots of every (row, head) laid end to end: one
             # index_copy_ moves the spare (a bf16 scatter_ along the slot dim is ~10x slower on CPU)
             kv_flat=kv.view(2, b * h * cap, d), meta_flat=meta.view(N_META, b * h * cap),
+            acc_flat=acc_buf.view(N_ACC, b * h * cap),
             slot_base=torch.arange(0, b * h * cap, cap, device=dev),
             flat_victim=torch.empty(b * h, dtype=torch.long, device=dev),
         )
@@ -209,7 +221,9 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     # cache replace: the spare slot (copied out first: a source may not alias its target)
     s.stage_kv.copy_(s.spare_kv)
     s.stage_meta.copy_(s.spare_meta)
+    s.stage_acc.copy_(s.spare_acc4)
     torch.add(s.slot_base, s.victim_rows, out=s.flat_victim)
     s.kv_flat.index_copy_(1, s.flat_victim, s.stage_kv_flat)
     s.meta_flat.index_copy_(1, s.flat_victim, s.stage_meta_flat)
+    s.acc_flat.index_copy_(1, s.flat_victim, s.stage_acc_flat)
     return s.out4

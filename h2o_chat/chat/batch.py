@@ -17,6 +17,7 @@ conversation's own thread, untouched.
 Stacking: an `Arena` per cache setting holds, per layer,
     kv    [2, rows, kv_heads, budget + 1, head_dim]
     meta  [N_META, rows, kv_heads, budget + 1]          (the layout of cache/step.py)
+    acc   [N_ACC, rows, kv_heads, budget + 1]
 A joining conversation's buffers are copied into a free row, and its own H2OCache layers become
 views of that row: its snapshots, the panel's reads and its position roll keep working unchanged.
 When it leaves (its reply ended, or it sat out too many steps) the row is copied back into buffers
@@ -31,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.policy import never_evicted
-from ..cache.step import N_META, DecodeStep, StackedRows, attend_and_replace, score_dtype
+from ..cache.step import N_ACC, N_META, DecodeStep, StackedRows, attend_and_replace, score_dtype
 from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
@@ -222,7 +223,7 @@ class Arena:
     def __init__(self):
         self.members = []  # H2OCache per row
         self.idle = []  # steps each member has sat out in a row
-        self.kv = self.meta = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META, rows, kv_heads, cap]
+        self.kv = self.meta = self.acc = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META | N_ACC, rows, kv_heads, cap]
         self.steps = None  # per layer: the DecodeStep over the current number of rows
 
     @property
@@ -239,7 +240,8 @@ class Arena:
         for i, layer in enumerate(cache.layers):
             self.kv[i][:, r : r + 1].copy_(layer.kv)
             self.meta[i][:, r : r + 1].copy_(layer.meta)
-            layer.set_buffers(self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], layer.n_slots)
+            self.acc[i][:, r : r + 1].copy_(layer.acc)
+            layer.set_buffers(*self._row(i, r), layer.n_slots)
         self.members.append(cache)
         self.idle.append(0)
         self.steps = None
@@ -252,15 +254,16 @@ class Arena:
         if self._holds(cache, r):
             for layer in cache.layers:
                 own = torch.contiguous_format
-                layer.set_buffers(layer.kv.clone(memory_format=own), layer.meta.clone(memory_format=own), layer.n_slots)
+                layer.set_buffers(*(b.clone(memory_format=own) for b in (layer.kv, layer.meta, layer.acc)), layer.n_slots)
         if r != last:
             moved = self.members[last]
             held = self._holds(moved, last)
             for i, layer in enumerate(moved.layers):
                 self.kv[i][:, r].copy_(self.kv[i][:, last])
                 self.meta[i][:, r].copy_(self.meta[i][:, last])
+                self.acc[i][:, r].copy_(self.acc[i][:, last])
                 if held:
-                    layer.set_buffers(self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], layer.n_slots)
+                    layer.set_buffers(*self._row(i, r), layer.n_slots)
             self.members[r], self.idle[r] = moved, self.idle[last]
         self.members.pop()
         self.idle.pop()
@@ -274,21 +277,27 @@ class Arena:
         return layer.kv is not None and layer.kv.data_ptr() == self.kv[0][:, r : r + 1].data_ptr() \
             and layer.kv.shape[3] == self.kv[0].shape[3]
 
+    def _row(self, i, r):
+        """Layer i's buffers of row r, as views [.., 1, kv_heads, cap, ..] a member's layer holds."""
+        return self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], self.acc[i][:, r : r + 1]
+
     def _grow(self, rows, like):
-        kv, meta = [], []
+        kv, meta, acc = [], [], []
         for i, layer in enumerate(like.layers):
             _, _, h, cap, d = layer.kv.shape
             kv.append(layer.kv.new_zeros(2, rows, h, cap, d))  # zeros: a free slot's value times 0 is 0, never NaN
             meta.append(layer.meta.new_zeros(N_META, rows, h, cap))
+            acc.append(layer.acc.new_zeros(N_ACC, rows, h, cap))
             if self.kv:
                 kv[i][:, : self.rows].copy_(self.kv[i])
                 meta[i][:, : self.rows].copy_(self.meta[i])
+                acc[i][:, : self.rows].copy_(self.acc[i])
         held = [self._holds(c, r) for r, c in enumerate(self.members)]
-        self.kv, self.meta = kv, meta
+        self.kv, self.meta, self.acc = kv, meta, acc
         for r, cache in enumerate(self.members):
             if held[r]:
                 for i, layer in enumerate(cache.layers):
-                    layer.set_buffers(kv[i][:, r : r + 1], meta[i][:, r : r + 1], layer.n_slots)
+                    layer.set_buffers(*self._row(i, r), layer.n_slots)
 
     @torch.no_grad()
     def step(self, decoder, requests):
@@ -386,9 +395,9 @@ class StackedCache(Cache):
         """query [rows, q_heads, 1, head_dim], keys, values [rows, kv_heads, 1, head_dim] ->
         [rows, 1, q_heads, head_dim]."""
         arena, rows, n = self.arena, self.rows, self.n
-        kv, meta = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n]
+        kv, meta, acc = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n], arena.acc[layer_idx][:, :n]
         step = arena.steps[layer_idx]
         if step is None:
-            step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, query, scaling)
+            step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, acc, query, scaling)
         step.write_spare(keys, values, rows.next_id, rows.kept_rows)
         return attend_and_replace(step, query, arena.members[0].config, rows)
