@@ -233,7 +233,7 @@ class H2OLayer(CacheLayerMixin):
         written in place, so the decode step's views stay valid."""
         n_seen, n_slots, roll_floor, buffers = state
         if buffers is None:
-            self.set_buffers(None, None, 0)
+            self.set_buffers(None, None, None, 0)
         elif self.kv is not None and self.kv.shape == buffers[0].shape:
             self.kv.copy_(buffers[0])
             self.meta.copy_(buffers[1])
