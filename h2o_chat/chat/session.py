@@ -190,16 +190,12 @@ class ChatSession:
         self._known = KnownTokens(tokenizer, template=self._template_text, keep=8 if self._template_text else MAX_REPLIES)
         self._segments_fed = []  # the last sync's segments (a continued reply's tokens so far)
         self._reply = None  # the reply streaming now, or the last one (reply.Reply)
-        self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
         # the conversation's cache states saved beside it (saved_kv.py): what a sync starts from
         self.saved = saved_kv.States(data_dir, lambda: self.conversation, model, tokenizer) \
             if data_dir is not None and saved_kv.BUDGET.total_mib > 0 else None
         self._marks = []  # snapshots taken at a reply's start (what regenerate returns to), saved at its end
-        self.timeline = self._new_timeline(self.cache_config)
-        if conversation.messages and self.saved is not None:
-            self.saved.latest_session(self._known, self._sampler)  # before rendering: replies as they were drawn
-        if conversation.messages and not lazy:
-            self._sync(should_stop=should_stop)  # stopped early: the next turn feeds the rest
+        self.timeline = self._sampler = None  # made by _rebuild, the one place that makes them
+        self._rebuild(replay=bool(conversation.messages) and not lazy, should_stop=should_stop)
 
     @classmethod
     def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
@@ -409,8 +405,7 @@ class ChatSession:
             self._busy = False
             if self._free_when_idle:
                 self._free_when_idle = False
-                self._save_state()  # the reply's state goes to disk (a copy, written later) before the cache is freed
-                self.timeline = self._new_timeline(self.cache_config)
+                self._free()
         self.autosave()  # after the flag: a failing disk must not keep close() waiting
 
     # --- changes: checked first, then applied through the one replay path ----------------------
@@ -516,24 +511,7 @@ class ChatSession:
                        check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt,
                        self.settings.system_prompt_pinned)
         Limits.of(self.model).check(new)  # what this machine cannot run is refused before anything is made
-        old, old_timeline = self.conversation.settings, self.timeline
-        self.conversation.settings = new
-        try:
-            if new.cache != old.cache:
-                self.timeline = self._new_timeline(new.cache)
-                self.turn_stats = []  # the charts start again with the new cache
-            if new.cache != old.cache or new.system_prompt != old.system_prompt:
-                self._sync()
-        except ValueError:
-            self.conversation.settings, self.timeline = old, old_timeline
-            raise
-        if new.sampling != old.sampling or "seed" in sampling_fields:
-            # a seed given is a fresh start (the same seed and request give the same reply, as
-            # OpenAI's seed does); otherwise a seeded chat draws on from where it was
-            sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
-            if "seed" not in sampling_fields:
-                sampler.generator = self._sampler.generator
-            self._sampler = sampler
+        self._rebuild(new, seed_given="seed" in sampling_fields)
         self.autosave()
 
     def copy(self):
@@ -544,8 +522,8 @@ class ChatSession:
                           batcher=self.batcher, **asdict(self.sampling))
         twin.messages = [Message(m.role, m.content, m.pinned, m.tool_calls, m.tool_call_id) for m in self.messages]
         twin.conversation.tools = self.conversation.tools
-        twin.timeline = self.timeline.copy()
         twin._known.replies = dict(self._known.replies)
+        twin._rebuild(timeline=self.timeline.copy(), replay=False)
         return twin
 
     def catch_up(self) -> bool:
@@ -563,22 +541,16 @@ class ChatSession:
         if saved.revision <= self.conversation.revision:
             return False
         saved.use_settings(*Limits.of(self.model).nearest(saved.settings))
-        old, self.conversation = self.settings, saved
         self.notices += saved.notices
         saved.notices = []
-        if saved.settings.cache != old.cache:
-            self.timeline = self._new_timeline(saved.settings.cache)
-        if saved.settings.sampling != old.sampling:
-            self._sampler = Sampler(saved.settings.sampling, self._stop_ids, self.model.device)
-        self._sync()
+        self._rebuild(conversation=saved)
         return True
 
     def reset(self):
         """Empty the conversation (same id and settings)."""
         self._check_idle()
         self.messages = []
-        self.timeline = self._new_timeline(self.cache_config)
-        self.turn_stats = []
+        self._rebuild(fresh=True, replay=False)
         self.autosave()
 
     def stop(self) -> None:
@@ -596,8 +568,7 @@ class ChatSession:
             if self._busy:
                 self._free_when_idle = True
                 return
-            self._save_state()  # unless it is saved already: reopening loads it
-            self.timeline = self._new_timeline(self.cache_config)
+            self._free()
 
     # --- saving --------------------------------------------------------------------------------
     def autosave(self):
@@ -655,8 +626,56 @@ class ChatSession:
         return to_markdown(self.conversation)
 
     # --- internals -----------------------------------------------------------------------------
-    def _new_timeline(self, cache_config):
-        return Timeline(self.model, self.tokenizer, cache_config, self.batcher, self.saved)
+    def _rebuild(self, settings=None, conversation=None, timeline=None, fresh=False, replay=True, seed_given=False,
+                 should_stop=None):
+        """The one place that puts settings into effect and remakes what is derived from the
+        conversation (the timeline, the sampler, the charts), by one set of rules:
+
+        - `settings` become the conversation's, or `conversation` (a saved copy caught up with)
+          replaces it;
+        - the timeline is new and empty when the cache settings changed or `fresh` (a freed
+          cache, an emptied chat); `timeline` is used instead when given (a copy's);
+        - the charts (turn_stats) start again when the cache settings changed or the chat is empty;
+        - a new sampler when the sampling changed or `seed_given`: a seeded one draws on from where
+          the old one was unless its seed changed or was given (the same seed and request give
+          the same reply, as OpenAI's seed does);
+        - when `replay`, the chat is fed (`_sync`) if the timeline is new or the system prompt or
+          the messages changed; should_stop() may end that early (False is returned);
+        - a ValueError (a pin with no room, out of memory) puts everything back as it was.
+        """
+        before = (self.conversation, self.conversation.settings, self.timeline, self._sampler, self.turn_stats)
+        old_conversation, was, old_timeline = before[:3]
+        first = old_timeline is None  # __init__: nothing is made yet
+        if conversation is not None:
+            self.conversation = conversation
+        elif settings is not None:
+            self.conversation.settings = settings
+        new = self.settings
+        new_cache = first or new.cache != was.cache
+        try:
+            if timeline is not None or fresh or new_cache:
+                self.timeline = timeline or Timeline(self.model, self.tokenizer, new.cache, self.batcher, self.saved)
+            if new_cache or not self.messages:
+                self.turn_stats = []
+            if first or seed_given or new.sampling != was.sampling:
+                sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
+                if not first and not seed_given and new.sampling.seed == was.sampling.seed:
+                    sampler.generator = self._sampler.generator
+                self._sampler = sampler
+            if first and self.messages and self.saved is not None:
+                self.saved.latest_session(self._known, self._sampler)  # before rendering: replies as they were drawn
+            changed = self.timeline is not old_timeline or self.conversation is not old_conversation or \
+                new.system_prompt != was.system_prompt
+            return self._sync(should_stop=should_stop) if replay and changed else True
+        except ValueError:
+            self.conversation, self.conversation.settings, self.timeline, self._sampler, self.turn_stats = before
+            raise
+
+    def _free(self):
+        """The user has gone: the cache's state is saved (a copy, written later; unless it is saved
+        already), and the cache freed. The conversation is replayed (or its state loaded) when used again."""
+        self._save_state()
+        self._rebuild(fresh=True, replay=False)
 
     _template_text = False  # message texts are plain text (a TextSession's prompt is not)
 
