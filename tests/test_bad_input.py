@@ -722,7 +722,6 @@ APP_CACHE_FIELDS = [  # (budget, recent window, sinks) as the page's number fiel
     pytest.param("", 8, 2, "Budget is empty", id="budget-field-blank"),
     pytest.param("lots", 8, 2, "Budget must be a number, got 'lots'", id="budget-text"),
     pytest.param(16.5, 8, 2, "Budget must be a whole number", id="budget-fraction"),
-    pytest.param(16, None, 2, "Recent window is empty", id="recent-field-empty"),
     pytest.param(16, 8, None, "Sinks is empty", id="sinks-field-empty"),
     pytest.param(16, 8, 10, "cannot hold 10 sinks and a recent window of 8", id="sinks-plus-recent-over"),
 ]
@@ -739,8 +738,16 @@ def test_the_apps_cache_fields_are_checked(budget, n_recent, n_sink, match):
         cache_config(ui_settings.cache_settings(typed_cache(budget, n_recent, n_sink)))
 
 
-def test_a_recent_window_of_0_means_half():
-    assert ui_settings.cache_settings(typed_cache(64, 0, 4))["n_recent"] is None
+@pytest.mark.parametrize("typed, n_recent", [(0, 0), (8, 8), (None, None), ("", None), (" ", None)])
+def test_the_recent_window_field_is_n_recent_and_blank_is_auto(typed, n_recent):
+    # 0 is no recent window, as in CacheConfig, the command line and the API; blank is None (auto)
+    assert ui_settings.cache_settings(typed_cache(64, typed, 4))["n_recent"] == n_recent
+    with gr.Blocks():
+        fields = ui_settings.build()
+    session = SimpleNamespace(system_prompt=None, settings=SimpleNamespace(system_prompt_pinned=False),
+                              sampling=Sampling(), cache_config=CacheConfig(budget=64, n_sink=4, n_recent=n_recent))
+    assert ui_settings.values(fields, session)[fields.cache["n_recent"]] == n_recent  # shown as it is
+    assert "blank = auto" in fields.cache["n_recent"].label
 
 
 APP_SAMPLING_FIELDS = [  # (temperature, top-p, max new tokens) as the page's fields send them

@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 import gradio as gr
+import pytest
 
 import app as app_main
 from h2o_chat import Sampling
-from h2o_chat.cache.config import CacheConfig
+from h2o_chat.cache.config import APP_FIELDS, CacheConfig
+from h2o_chat.chat.conversation import cache_config
 from h2o_chat.serve import cli as server
 from h2o_chat.serve.api import create_router
+from h2o_chat.serve.requests import read_cache
 from h2o_chat.ui import settings as ui_settings
 
 
@@ -25,6 +28,20 @@ def test_cache_flag_defaults_are_the_dataclass_defaults():
     args, config = server.parse_args([]), CacheConfig()
     for name in ("policy", "budget", "n_sink", "n_recent", "score", "positions"):
         assert getattr(args, name) == getattr(config, name), name
+
+
+@pytest.mark.parametrize("n_recent, kept", [(0, 0), (None, 30)], ids=["0-is-none", "none-is-half"])
+def test_a_recent_window_means_the_same_on_the_page_the_command_line_and_the_api(n_recent, kept):
+    """CacheConfig's n_recent: 0 keeps no recent window, None (the default) half of what the sinks leave."""
+    base = dict(policy="h2o", budget=64, n_sink=4, score="sum", positions="rolling")
+    flags = ["--budget", "64", "--n-sink", "4"] + ([] if n_recent is None else ["--n-recent", str(n_recent)])
+    args = server.parse_args(flags)
+    by = {"library": CacheConfig(**base, n_recent=n_recent),
+          "command line": cache_config({name: getattr(args, name) for name in APP_FIELDS}),
+          "api": cache_config(read_cache({"h2o": {"n_recent": n_recent}}, base, 0, 1)[0]),
+          "page": cache_config(ui_settings.cache_settings({**base, "n_recent": "" if n_recent is None else n_recent}))}
+    assert {where: (c.n_recent, c.resolve(64).n_recent) for where, c in by.items()} == \
+        dict.fromkeys(by, (n_recent, kept))
 
 
 def test_the_api_memory_flag_defaults_to_the_api_s_own_default():

@@ -505,10 +505,12 @@ def test_a_pin_that_does_not_fit_a_new_budget_is_refused_and_changes_nothing(tin
                           temperature=0, max_new_tokens=6)
     "".join(session.send("A rather long first message that we pin."))
     session.pin(0)
-    before = (session.cache_config, list(session.cache.pins), session._fed, session.cache)
+    before = (session.settings, list(session.cache.pins), session._fed, session.timeline, session._sampler,
+              list(session.turn_stats))
     with pytest.raises(ValueError, match="the pins need .* slots"):
-        session.configure(cache=dict(policy="h2o", budget=24, n_sink=2, n_recent=8))
-    assert (session.cache_config, list(session.cache.pins), session._fed, session.cache) == before
+        session.configure(cache=dict(policy="h2o", budget=24, n_sink=2, n_recent=8), temperature=0.7)
+    assert (session.settings, list(session.cache.pins), session._fed, session.timeline, session._sampler,
+            session.turn_stats) == before  # the charts and the sampler too
     with pytest.raises(ValueError, match="the pins need .* slots"):
         session.edit(0, "A first message that has grown far too long to be pinned in a budget of 64 slots.")
     assert session.messages[0].content == "A rather long first message that we pin."
@@ -655,3 +657,69 @@ def test_the_time_to_first_token_includes_reading_the_message(tiny_chat):
     "".join(session.send("A long message to read. " * 12))
     assert len(progress) > 20  # read in chunks of 8
     assert session.stats["ttft_s"] >= progress[-1] - started - 0.001 > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# One place puts settings into effect and rebuilds the timeline (ChatSession._rebuild): every
+# change (configure, catch_up, reset, close, copy, opening) follows the same rules
+
+
+def test_the_timeline_and_the_sampler_are_made_in_one_method():
+    """Read from the source: in the chat, the page and the API, a session's timeline and sampler
+    are made and replaced only by ChatSession._rebuild (Timeline.copy makes the copy it is given;
+    a Reply's own attributes of the same names only refer to the session's)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "h2o_chat"
+    found = []
+    for path in [*package.glob("chat/*.py"), *package.glob("ui/*.py"), *package.glob("serve/*.py")]:
+        module = ast.parse(path.read_text(encoding="utf-8"))
+        functions = [(path.stem, f) for f in module.body if isinstance(f, ast.FunctionDef)]
+        functions += [(c.name, f) for c in module.body if isinstance(c, ast.ClassDef) and c.name != "Reply"
+                      for f in c.body if isinstance(f, ast.FunctionDef)]
+        for owner, function in functions:
+            for node in ast.walk(function):
+                made = isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Timeline", "Sampler")
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                replaced = any(isinstance(t, ast.Attribute) and t.attr in ("timeline", "_sampler")
+                               for target in targets for t in ast.walk(target))
+                if made or replaced:
+                    found.append(f"{owner}.{function.name}")
+    assert sorted(set(found)) == ["ChatSession.__init__", "ChatSession._rebuild", "Timeline.copy"]
+
+
+def test_a_catch_up_to_a_new_cache_starts_the_charts_again_as_configure_does(tiny_chat, tmp_path):
+    model, tok = tiny_chat
+    a = ChatSession(model, tok, cache=dict(policy="h2o", budget=64, n_sink=2, n_recent=12), temperature=0,
+                    max_new_tokens=6, data_dir=tmp_path)
+    "".join(a.send("first"))
+    b = ChatSession.open(model, tok, a.id, tmp_path)
+    "".join(b.send("from B"))
+    assert a.catch_up() and len(a.turn_stats) == len(b.turn_stats) == 1  # the same cache: the charts go on
+    a.configure(cache=dict(policy="window", budget=48, n_recent=48))
+    assert a.turn_stats == []  # the charts start again with the new cache ...
+    assert b.catch_up() and b.cache_config == a.cache_config
+    assert b.turn_stats == []  # ... in a tab that catches up with it too
+    assert b.cache.config == a.cache_config and b._fed == a._fed
+
+
+@pytest.mark.parametrize("how", ["configure", "catch_up"])
+def test_a_seeded_chat_draws_on_through_a_settings_change_unless_its_seed_changes(tiny_chat, tmp_path, how):
+    model, tok = tiny_chat
+    a = ChatSession(model, tok, temperature=1.0, seed=7, max_new_tokens=6, data_dir=tmp_path)
+    "".join(a.send("first"))
+    b = ChatSession.open(model, tok, a.id, tmp_path)  # a second tab, drawing on from where a was
+    session = a if how == "configure" else b
+    drawn_so_far = session._sampler.generator.get_state()
+
+    def change(**sampling):
+        a.configure(**sampling)
+        if how == "catch_up":
+            assert b.catch_up()
+
+    change(temperature=0.8)
+    assert session.sampling.temperature == 0.8
+    assert torch.equal(session._sampler.generator.get_state(), drawn_so_far)  # draws on
+    change(seed=8)
+    assert torch.equal(session._sampler.generator.get_state(), torch.Generator().manual_seed(8).get_state())

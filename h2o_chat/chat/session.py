@@ -43,9 +43,9 @@ from ..cache.config import CacheConfig
 from ..cache.h2o import PinRefused, pinned_slots
 from . import saved_kv, store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
-from .detok import Detokenizer
 from .limits import Limits
-from .sampler import Sampler, stop_token_ids, unpack_logprobs
+from .reply import Reply
+from .sampler import Sampler, stop_token_ids
 from .template import MAX_REPLIES, SYSTEM, KnownTokens, render, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
 
@@ -179,7 +179,6 @@ class ChatSession:
         self.save_error = None  # why the last save failed (a sentence without paths), None when it worked
         self.top_logprobs = None  # k: each reply token's logprob and the k likeliest, in token_logprobs
         self.reply_cap = None  # a reply's length when a request says it, instead of sampling's (never saved)
-        self.token_logprobs = []  # [(token id, logprob, [(id, logprob)] * k)] of the last reply's tokens
         self.last_turn = None  # no reply since the session was made (or opened): no timing to show
         self.turn_stats = []  # self.stats after every reply: what the panel's charts plot
         self._stop = threading.Event()
@@ -190,17 +189,13 @@ class ChatSession:
         # the replies as they were generated (a text completion's prompt: the last few texts fed)
         self._known = KnownTokens(tokenizer, template=self._template_text, keep=8 if self._template_text else MAX_REPLIES)
         self._segments_fed = []  # the last sync's segments (a continued reply's tokens so far)
-        self._detok = None  # the reply's Detokenizer (how much of it is shown)
-        self._sampler = Sampler(self.sampling, self._stop_ids, model.device)
+        self._reply = None  # the reply streaming now, or the last one (reply.Reply)
         # the conversation's cache states saved beside it (saved_kv.py): what a sync starts from
         self.saved = saved_kv.States(data_dir, lambda: self.conversation, model, tokenizer) \
             if data_dir is not None and saved_kv.BUDGET.total_mib > 0 else None
         self._marks = []  # snapshots taken at a reply's start (what regenerate returns to), saved at its end
-        self.timeline = self._new_timeline(self.cache_config)
-        if conversation.messages and self.saved is not None:
-            self.saved.latest_session(self._known, self._sampler)  # before rendering: replies as they were drawn
-        if conversation.messages and not lazy:
-            self._sync(should_stop=should_stop)  # stopped early: the next turn feeds the rest
+        self.timeline = self._sampler = None  # made by _rebuild, the one place that makes them
+        self._rebuild(replay=bool(conversation.messages) and not lazy, should_stop=should_stop)
 
     @classmethod
     def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
@@ -330,115 +325,66 @@ class ChatSession:
         return self._continue()
 
     def _exchange(self, message):
-        """A new user message and its reply, or (message None) a new draw of the last reply."""
+        """A new message and its reply, or (message None) a new draw of the last reply."""
+        return self._turn(lambda: self._feed_prompt(message), ban_stop_first=False, save_start=True)
+
+    def _continue(self):
+        """More of the last reply: its first token may not end it."""
+        return self._turn(lambda: self._sync(open_reply=True, should_stop=self._stop.is_set), ban_stop_first=True)
+
+    def _turn(self, feed_prompt, ban_stop_first, save_start=False):
+        """A reply's life, lazily (a generator): the session is busy from its first step to its
+        cleanup. feed_prompt() makes the cache hold the prompt and returns False when a Stop ended
+        that early (an empty reply: the next turn feeds the rest). save_start: the state the reply
+        starts from is saved at its end (an older branch starts there)."""
         self._begin()
         try:
             self.last_turn = TurnStats(processed_before=self.timeline.tokens_processed)  # TTFT includes the prefill
-            messages = self.messages
-            if message is None and not messages:
-                raise ValueError("there is no reply to regenerate")
-            dropped = messages.pop() if message is None and messages[-1].role == "assistant" else None
-            if message is not None:
-                self.timeline.mark()  # what undo returns to
-                messages.append(message)
-                self.autosave()  # a crash from here on loses at most the reply
-            try:
-                complete = self._sync(add_generation_prompt=True, should_stop=self._stop.is_set)
-            except ValueError as e:  # the message could not even be read (out of memory): as if never sent
-                if message is not None:
-                    messages.pop()
-                    e.unsent = message.content  # for the UI to put back in the box
-                if dropped is not None:
-                    messages.append(dropped)
-                raise
-            messages.append(Message("assistant", ""))
-            if not complete:  # stopped while the prompt was read: an empty reply (the next turn feeds the rest)
+            if not feed_prompt():
                 self.last_turn.finish, self.last_turn.end = "stop", time.perf_counter()
                 return
             self.timeline.mark()  # what regenerate returns to
-            self._marks.append(self.timeline.snapshots[-1])  # saved at the reply's end: an older branch starts there
-            yield from self._stream(ban_stop_first=False)
+            if save_start:
+                self._marks.append(self.timeline.snapshots[-1])
+            self._reply = Reply(self, ban_stop_first, AUTOSAVE_EVERY_S)
+            with self._reply as reply:  # close(): the reply's cleanup, however it ends
+                yield from reply.pieces()
         finally:
             self._end()
 
-    def _continue(self):
-        self._begin()
+    def _feed_prompt(self, message):
+        """Add `message` (None: take the last reply back) and feed the prompt of its reply; an empty
+        assistant message then waits for it. A prompt that cannot be read (out of memory) puts the
+        messages back as they were. False when a Stop ended the reading early."""
+        messages = self.messages
+        if message is None and not messages:
+            raise ValueError("there is no reply to regenerate")
+        dropped = messages.pop() if message is None and messages[-1].role == "assistant" else None
+        if message is not None:
+            self.timeline.mark()  # what undo returns to
+            messages.append(message)
+            self.autosave()  # a crash from here on loses at most the reply
         try:
-            self.last_turn = TurnStats(processed_before=self.timeline.tokens_processed)
-            if not self._sync(open_reply=True, should_stop=self._stop.is_set):
-                self.last_turn.finish, self.last_turn.end = "stop", time.perf_counter()
-                return
-            self.timeline.mark()
-            yield from self._stream(ban_stop_first=True)
-        finally:
-            self._end()
+            complete = self._sync(add_generation_prompt=True, should_stop=self._stop.is_set)
+        except ValueError as e:  # the message could not even be read (out of memory): as if never sent
+            if message is not None:
+                messages.pop()
+                e.unsent = message.content  # for the UI to put back in the box
+            if dropped is not None:
+                messages.append(dropped)
+            raise
+        messages.append(Message("assistant", ""))
+        return complete
 
-    def _stream(self, ban_stop_first):
-        message, turn, timeline = self.messages[-1], len(self.messages) - 1, self.timeline
-        prefix, detok = message.content, Detokenizer(self.tokenizer, self.sampling.stop)
-        self._detok = detok
-        prefix_ids = self._open_reply_ids(turn) if prefix else []
-        stats, sampler = self.last_turn, self._sampler
-        sampler.top_logprobs, self.token_logprobs = self.top_logprobs, []
-        sampler.begin(timeline.fed, timeline.logits.numel())
-        reply_start = stats.prompt_tokens = len(timeline.fed)
-        stats.prompt_computed = timeline.tokens_processed - stats.processed_before
-        # a stop string may end inside text the model has already been fed: from the first token
-        # whose text is held back (it could begin one), a snapshot to take those tokens back
-        held = None
-        stats.finish = "length"
-        saved_at = time.perf_counter()
-        try:
-            for step in range(self.reply_cap or self.sampling.max_new_tokens):
-                if self._stop.is_set():
-                    stats.finish = "stop"
-                    return
-                if time.perf_counter() - saved_at >= AUTOSAVE_EVERY_S:  # a long reply is saved as it grows
-                    self.autosave()
-                    saved_at = time.perf_counter()
-                token = sampler.sample(timeline.logits, ban_stop=ban_stop_first and step == 0)
-                token_id = self._read(token)  # the one host sync per token: the text must be streamed
-                if token_id in self._stop_ids:
-                    stats.finish = "stop"
-                    break
-                stats.new_tokens += 1
-                piece = detok.push(token_id)
-                if piece:
-                    message.content = prefix + detok.text
-                    stats.first_at = stats.first_at or time.perf_counter()
-                    yield piece
-                if detok.stopped:
-                    stats.finish = "stop"
-                    break
-                held = (held or timeline.snapshot()) if detok.holding else None
-                timeline.feed_token(token, token_id, "assistant", turn)
-            piece = detok.finish()  # the natural end: an incomplete last character is shown as it is
-            if piece:
-                message.content = prefix + detok.text
-                yield piece
-        finally:
-            timeline.leave_batch()  # the reply's cache rows go back to it, before anything else touches them
-            if detok.stopped and held is not None:
-                timeline.rewind(held)  # the cache holds no token of the text the stop string cut
-            stats.end = time.perf_counter()
-            stats.kept_tokens = detok.tokens_shown() if detok.stopped else stats.new_tokens
-            stats.stop_string = detok.out.matched
-            message.content = prefix + detok.text
-            self._remember_reply(message.content, prefix_ids + timeline.fed[reply_start:])
-            self.turn_stats.append({"turn": turn, **self.stats})
+    @property
+    def token_logprobs(self):
+        """[(token id, logprob, [(id, logprob)] * k)] of the last reply's tokens, when top_logprobs is set."""
+        return self._reply.token_logprobs if self._reply is not None else []
 
     def tokens_shown(self):
         """How many tokens of the reply streaming now (or the last one) have their text shown:
         their logprobs can be sent with it."""
-        return self._detok.tokens_shown() if self._detok is not None else 0
-
-    def _read(self, token):
-        """The drawn token's id, read from the device (with its logprobs, when asked, in the same read)."""
-        if self._sampler.top_logprobs is None:
-            return int(token)
-        token_id, logprob, top = unpack_logprobs(self._sampler.logprobs[0].tolist(), self.top_logprobs)
-        self.token_logprobs.append((token_id, logprob, top))
-        return token_id
+        return self._reply.tokens_shown() if self._reply is not None else 0
 
     def _open_reply_ids(self, turn):
         """The tokens a continued reply's text was fed as (the last segment of the last sync)."""
@@ -459,8 +405,7 @@ class ChatSession:
             self._busy = False
             if self._free_when_idle:
                 self._free_when_idle = False
-                self._save_state()  # the reply's state goes to disk (a copy, written later) before the cache is freed
-                self.timeline = self._new_timeline(self.cache_config)
+                self._free()
         self.autosave()  # after the flag: a failing disk must not keep close() waiting
 
     # --- changes: checked first, then applied through the one replay path ----------------------
@@ -566,24 +511,7 @@ class ChatSession:
                        check_system_prompt(system_prompt) if system_prompt is not ... else self.system_prompt,
                        self.settings.system_prompt_pinned)
         Limits.of(self.model).check(new)  # what this machine cannot run is refused before anything is made
-        old, old_timeline = self.conversation.settings, self.timeline
-        self.conversation.settings = new
-        try:
-            if new.cache != old.cache:
-                self.timeline = self._new_timeline(new.cache)
-                self.turn_stats = []  # the charts start again with the new cache
-            if new.cache != old.cache or new.system_prompt != old.system_prompt:
-                self._sync()
-        except ValueError:
-            self.conversation.settings, self.timeline = old, old_timeline
-            raise
-        if new.sampling != old.sampling or "seed" in sampling_fields:
-            # a seed given is a fresh start (the same seed and request give the same reply, as
-            # OpenAI's seed does); otherwise a seeded chat draws on from where it was
-            sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
-            if "seed" not in sampling_fields:
-                sampler.generator = self._sampler.generator
-            self._sampler = sampler
+        self._rebuild(new, seed_given="seed" in sampling_fields)
         self.autosave()
 
     def copy(self):
@@ -594,8 +522,8 @@ class ChatSession:
                           batcher=self.batcher, **asdict(self.sampling))
         twin.messages = [Message(m.role, m.content, m.pinned, m.tool_calls, m.tool_call_id) for m in self.messages]
         twin.conversation.tools = self.conversation.tools
-        twin.timeline = self.timeline.copy()
         twin._known.replies = dict(self._known.replies)
+        twin._rebuild(timeline=self.timeline.copy(), replay=False)
         return twin
 
     def catch_up(self) -> bool:
@@ -613,22 +541,16 @@ class ChatSession:
         if saved.revision <= self.conversation.revision:
             return False
         saved.use_settings(*Limits.of(self.model).nearest(saved.settings))
-        old, self.conversation = self.settings, saved
         self.notices += saved.notices
         saved.notices = []
-        if saved.settings.cache != old.cache:
-            self.timeline = self._new_timeline(saved.settings.cache)
-        if saved.settings.sampling != old.sampling:
-            self._sampler = Sampler(saved.settings.sampling, self._stop_ids, self.model.device)
-        self._sync()
+        self._rebuild(conversation=saved)
         return True
 
     def reset(self):
         """Empty the conversation (same id and settings)."""
         self._check_idle()
         self.messages = []
-        self.timeline = self._new_timeline(self.cache_config)
-        self.turn_stats = []
+        self._rebuild(fresh=True, replay=False)
         self.autosave()
 
     def stop(self) -> None:
@@ -646,8 +568,7 @@ class ChatSession:
             if self._busy:
                 self._free_when_idle = True
                 return
-            self._save_state()  # unless it is saved already: reopening loads it
-            self.timeline = self._new_timeline(self.cache_config)
+            self._free()
 
     # --- saving --------------------------------------------------------------------------------
     def autosave(self):
@@ -705,8 +626,56 @@ class ChatSession:
         return to_markdown(self.conversation)
 
     # --- internals -----------------------------------------------------------------------------
-    def _new_timeline(self, cache_config):
-        return Timeline(self.model, self.tokenizer, cache_config, self.batcher, self.saved)
+    def _rebuild(self, settings=None, conversation=None, timeline=None, fresh=False, replay=True, seed_given=False,
+                 should_stop=None):
+        """The one place that puts settings into effect and remakes what is derived from the
+        conversation (the timeline, the sampler, the charts), by one set of rules:
+
+        - `settings` become the conversation's, or `conversation` (a saved copy caught up with)
+          replaces it;
+        - the timeline is new and empty when the cache settings changed or `fresh` (a freed
+          cache, an emptied chat); `timeline` is used instead when given (a copy's);
+        - the charts (turn_stats) start again when the cache settings changed or the chat is empty;
+        - a new sampler when the sampling changed or `seed_given`: a seeded one draws on from where
+          the old one was unless its seed changed or was given (the same seed and request give
+          the same reply, as OpenAI's seed does);
+        - when `replay`, the chat is fed (`_sync`) if the timeline is new or the system prompt or
+          the messages changed; should_stop() may end that early (False is returned);
+        - a ValueError (a pin with no room, out of memory) puts everything back as it was.
+        """
+        before = (self.conversation, self.conversation.settings, self.timeline, self._sampler, self.turn_stats)
+        old_conversation, was, old_timeline = before[:3]
+        first = old_timeline is None  # __init__: nothing is made yet
+        if conversation is not None:
+            self.conversation = conversation
+        elif settings is not None:
+            self.conversation.settings = settings
+        new = self.settings
+        new_cache = first or new.cache != was.cache
+        try:
+            if timeline is not None or fresh or new_cache:
+                self.timeline = timeline or Timeline(self.model, self.tokenizer, new.cache, self.batcher, self.saved)
+            if new_cache or not self.messages:
+                self.turn_stats = []
+            if first or seed_given or new.sampling != was.sampling:
+                sampler = Sampler(new.sampling, self._stop_ids, self.model.device)
+                if not first and not seed_given and new.sampling.seed == was.sampling.seed:
+                    sampler.generator = self._sampler.generator
+                self._sampler = sampler
+            if first and self.messages and self.saved is not None:
+                self.saved.latest_session(self._known, self._sampler)  # before rendering: replies as they were drawn
+            changed = self.timeline is not old_timeline or self.conversation is not old_conversation or \
+                new.system_prompt != was.system_prompt
+            return self._sync(should_stop=should_stop) if replay and changed else True
+        except ValueError:
+            self.conversation, self.conversation.settings, self.timeline, self._sampler, self.turn_stats = before
+            raise
+
+    def _free(self):
+        """The user has gone: the cache's state is saved (a copy, written later; unless it is saved
+        already), and the cache freed. The conversation is replayed (or its state loaded) when used again."""
+        self._save_state()
+        self._rebuild(fresh=True, replay=False)
 
     _template_text = False  # message texts are plain text (a TextSession's prompt is not)
 

@@ -3,7 +3,10 @@ conversation runs on (`values(settings, session)` fills them on New chat, Restor
 after every Apply, refused or not), so Apply only ever changes what the user changed.
 
 Each field is made from its setting's one declaration (cache.config.setting: label, help,
-choices); the bounds are checked once, by the dataclass, when Apply builds it.
+choices); the bounds are checked once, by the dataclass, when Apply builds it. A field means what
+its setting means in the library, the command line and the API: the recent window's 0 is no
+recent window, and the field left blank is its default, None (auto: half of what the sinks leave
+for h2o, all of it for sink and window).
 """
 
 import json
@@ -21,10 +24,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "max_new_tokens")  # the page's; the 
 # Sliders are the page's choice for these two: they keep a value in the range a person wants
 # (the dataclass allows temperatures up to 5; the page offers up to 2).
 SLIDERS = {"temperature": dict(minimum=0, maximum=2, step=0.05), "top_p": dict(minimum=0.05, maximum=1, step=0.05)}
+# Fields that may be left blank: their setting's None (its default, worked out from the others).
+# The declared label of n_recent says "(0 = half)", which was the page's own rule: 0 now means
+# what it means everywhere else (none), so the page says what blank means instead.
+BLANK_IS_AUTO = {"n_recent": "Recent window (blank = auto)"}
 
 
 @dataclass
-class Settings:
+class Fields:
+    """The page's settings fields and buttons (not chat.conversation.Settings, the settings themselves)."""
     system_prompt: gr.Textbox
     pin_system_prompt: gr.Checkbox
     sampling: dict  # Sampling field name -> its component, in SAMPLING_FIELDS' order
@@ -51,14 +59,14 @@ def field_for(setting, value=None):
     """The page's field for one settings dataclass field: a dropdown of its choices, a slider
     (SLIDERS) or a number box, labelled and explained by its declaration."""
     meta, elem_id = setting.metadata, setting.name.replace("_", "-")
-    common = dict(label=meta["label"], info=meta["help"], elem_id=elem_id)
+    common = dict(label=BLANK_IS_AUTO.get(setting.name, meta["label"]), info=meta["help"], elem_id=elem_id)
     if meta["choices"]:
         return gr.Dropdown(list(meta["choices"]), value=value, **common)
     if setting.name in SLIDERS:
         return gr.Slider(value=value, **SLIDERS[setting.name], **common)
     # no minimum/maximum here: Gradio's own check would answer an odd value before the dataclass's sentence
     return gr.Number(value=value, precision=0 if meta["integer"] or setting.name in ("budget", "n_recent") else None,
-                     **common)
+                     placeholder="auto" if setting.name in BLANK_IS_AUTO else None, **common)
 
 
 def build():
@@ -92,17 +100,16 @@ def build():
             export_btn = gr.Button("Export")
             export_md = gr.File(label="Markdown")
             export_json = gr.File(label="JSON")
-    return Settings(system_prompt, pin_system_prompt, sampling, cache, sampling_btn, cache_btn, saved, restore_btn,
+    return Fields(system_prompt, pin_system_prompt, sampling, cache, sampling_btn, cache_btn, saved, restore_btn,
                     delete_btn, confirm_row, confirm_text, confirm_btn, cancel_btn, export_btn, export_md, export_json)
 
 
 def values(s, session):
     """The fields' update, {component: value}, read from the session (the one owner of its settings).
-    A recent window of None (half of what the sinks leave) shows as 0."""
+    A recent window of None (auto) shows as a blank field, 0 as 0."""
     shown = {s.system_prompt: session.system_prompt or "", s.pin_system_prompt: session.settings.system_prompt_pinned}
     shown |= {field: getattr(session.sampling, name) for name, field in s.sampling.items()}
     shown |= {field: getattr(session.cache_config, name) for name, field in s.cache.items()}
-    shown[s.cache["n_recent"]] = session.cache_config.n_recent or 0
     return shown
 
 
@@ -112,12 +119,13 @@ def short_label(cls, name):
 
 
 def cache_settings(typed):
-    """The Cache fields' values by name -> CacheConfig fields; an empty or odd number raises
-    ValueError (the dataclass checks the rest). A recent window of 0 means the default (half)."""
+    """The Cache fields' values by name -> CacheConfig fields; an odd number, or an empty field that
+    may not be blank, raises ValueError (the dataclass checks the rest). A blank recent window is
+    None (auto); 0 is none, as in CacheConfig."""
     settings = dict(typed)
     for name in ("budget", "n_recent", "n_sink"):
-        settings[name] = number(short_label(CacheConfig, name), typed[name])
-    settings["n_recent"] = settings["n_recent"] or None
+        blank = typed[name] is None or (isinstance(typed[name], str) and not typed[name].strip())
+        settings[name] = None if blank and name in BLANK_IS_AUTO else number(short_label(CacheConfig, name), typed[name])
     return settings
 
 
@@ -134,7 +142,7 @@ def sampling_settings(session, system_prompt, typed):
 def applied_cache(session):
     """Apply's confirmation: the cache the chat now runs on."""
     c, stats = session.cache_config, session.stats
-    recent = "half the rest" if c.n_recent is None else c.n_recent
+    recent = c.n_recent if c.n_recent is not None else "auto (half the rest)" if c.policy == "h2o" else "auto (the rest)"
     return (f"Cache applied: {c.policy}, budget {c.budget}, recent window {recent}, {c.n_sink} sinks, score {c.score}, "
             f"{c.positions} positions" + (f"; the chat was replayed ({stats['tokens_seen']:,} tokens)."
                                           if stats["tokens_seen"] else "."))
