@@ -1,12 +1,14 @@
 """A quantized model is still a transformers model: its forward, generate and H2OCache work
 unchanged, the lean step (its packed step: fused q/k/v and gate/up) computes exactly what the
-model's own forward computes, and with nothing evicted H2OCache equals DynamicCache on it."""
+model's own forward computes, and with nothing evicted H2OCache equals DynamicCache on it.
+It also pins where int4 bits depend on how tokens are split into forwards, and by how much."""
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from h2o_chat import ChatSession, H2OCache
+from h2o_chat.models import packed
 from h2o_chat.models.decode import Decoder
 from h2o_chat.models.load import load_model
 from h2o_chat.models.packed import KERNEL_ROWS, Int4Linear, PackedEmbedding
@@ -14,11 +16,31 @@ from h2o_chat.models.quantize import fuse_projections, quantize_linears, weights
 from tests.conftest import make_tiny_chat, make_tiny_llama
 from tests.test_cache import greedy
 from tests.test_decode import POLICY_SCORES, assert_same_state, decode_both
+from tests.test_session import USER_TURNS, chat, naive_replies
 
 
 def quantized(model, kind):
     quantize_linears(model, kind)
     return fuse_projections(model)
+
+
+def fed_whole_and_split(model, ids, split):
+    """ids [1, n] into two caches (policy "full"): in one forward, and in two at `split`.
+    Returns ((logits [1, vocab] float32 after the last token, cache), the same for the split)."""
+    fed = []
+    for cuts in ((0, ids.shape[1]), (0, split, ids.shape[1])):
+        cache = H2OCache(model, policy="full")
+        with torch.no_grad():
+            for start, stop in zip(cuts, cuts[1:]):
+                logits = model(ids[:, start:stop], cache=cache, logits_to_keep=1).logits[:, -1].float()
+        fed.append((logits, cache))
+    return fed
+
+
+def same_keys_and_values(a, b):
+    """Every layer's keys and values bitwise (the H2O scores are sums whose order follows the
+    chunks: they differ by float rounding whatever the weights)."""
+    return all(torch.equal(x.kv, y.kv) for x, y in zip(a.layers, b.layers))
 
 
 @pytest.mark.parametrize("policy,score", POLICY_SCORES)
@@ -105,9 +127,17 @@ def test_embedded_int4_is_its_gguf_blocks_in_the_right_row_order(embedded_model,
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.fixture(scope="module")
+def embedded_int4_fp32(embedded_conversion):
+    """The app's int4 weights (the GGUF's blocks) with float32 activations: issue 32's check."""
+    model, tokenizer = load_model(dtype="float32")
+    assert weights_label(model).startswith("int4: GGUF Q4_1") and model.dtype == torch.float32
+    return model, tokenizer
+
+
 @pytest.mark.embedded
 @pytest.mark.slow
-def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4):
+def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4, embedded_int4_fp32):
     """The lean step on the app's model, bit for bit; then nothing evicted against DynamicCache
     with float32 activations (the same int4 weights): in bf16, sdpa and H2O's explicit attention
     round differently and a greedy tie can flip, as it would for the float model."""
@@ -115,8 +145,7 @@ def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4):
     own, lean, equal_steps = decode_both(model, steps=24, budget=24, n_recent=8, prefill_chunk=8)
     assert equal_steps == 24
     assert_same_state(own, lean)
-    model, tokenizer = load_model(dtype="float32")
-    assert weights_label(model).startswith("int4: GGUF Q4_1")
+    model, tokenizer = embedded_int4_fp32
     ids = tokenizer("Write one sentence about the sea.", return_tensors="pt").input_ids
     expected = greedy(model, ids, DynamicCache(), 24)
     got = greedy(model, ids, H2OCache(model, policy="h2o", budget=64, n_recent=32), 24)
@@ -125,6 +154,122 @@ def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4):
     # next bf16 value, and 30 layers carry that on; the logits agree to a few bf16 steps
     for a, b in zip(got.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=b.abs().max().item() / 2**5, rtol=0)
+
+
+def test_a_row_through_the_kernel_has_the_same_bits_however_it_is_called():
+    """Up to KERNEL_ROWS rows a projection is the kernel's: a row's bits depend neither on how many
+    rows share its call nor on q/k/v (gate/up) going through one fused call or separate ones, so
+    the lean step's fused matmuls are the model's own forward's separate ones."""
+    model = quantized(make_tiny_llama(), "int4")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(KERNEL_ROWS, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for fused, parts in ((attn.qkv_proj, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp.gate_up_proj, (mlp.gate_proj, mlp.up_proj))):
+        for rows in (x[:1], x):
+            together = fused.module(rows)
+            for part, (start, stop) in zip(parts, fused.spans):
+                assert torch.equal(together[:, start:stop], part(rows))
+        for part in parts:
+            whole = part(x)
+            assert torch.equal(part(x[:1]), whole[:1]) and torch.equal(part(x[5:12]), whole[5:12])
+
+
+def test_past_kernel_rows_a_layer_computes_with_its_weight_rounded_to_bf16():
+    """What a row gets in a forward of more than KERNEL_ROWS rows instead of the kernel's bits:
+    x @ W with W rounded to bf16 (each weight by up to 2^-9 of itself). The two differ, within
+    that rounding and each result's own: 3 x 2^-9 of sum |x| |w|."""
+    layer = quantized(make_tiny_llama(), "int4").model.layers[0].mlp.down_proj
+    x = torch.randn(KERNEL_ROWS + 1, layer.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    past = layer(x).float()
+    kernel = torch.cat([layer(x[:KERNEL_ROWS]), layer(x[KERNEL_ROWS:])]).float()
+    assert not torch.equal(past, kernel)
+    size = x.float().abs() @ layer.dequantize()[:layer.out_features].abs().t()
+    assert ((past - kernel).abs() <= 3 * size / 2**9).all()
+
+
+def test_int4_tokens_fed_in_other_chunks_differ_by_bf16_steps_unless_all_take_the_kernel(monkeypatch):
+    """The same tokens in one forward past KERNEL_ROWS rows and in two of fewer (a session's
+    turns against generate re-prefilling them). Float weights: the same bits, so here attention
+    rounds alike both ways and what is left is the linears. Int4 weights: the first layer's keys
+    differ and the logits are a few bf16 steps apart (packed.py's docstring: why greedy text can
+    differ); with every row through the kernel, the same bits again."""
+    ids = torch.randint(0, 128, (1, KERNEL_ROWS + 36), generator=torch.Generator().manual_seed(2))
+    (whole, whole_cache), (split, split_cache) = fed_whole_and_split(make_tiny_llama(), ids, 40)
+    assert torch.equal(whole, split) and same_keys_and_values(whole_cache, split_cache)
+
+    model = quantized(make_tiny_llama(), "int4")
+    (whole, whole_cache), (split, split_cache) = fed_whole_and_split(model, ids, 40)
+    assert not torch.equal(whole_cache.layers[0].kv, split_cache.layers[0].kv)
+    torch.testing.assert_close(split, whole, atol=whole.abs().max().item() / 2**5, rtol=0)
+
+    monkeypatch.setattr(packed, "KERNEL_ROWS", ids.shape[1])
+    (whole, whole_cache), (split, split_cache) = fed_whole_and_split(model, ids, 40)
+    assert torch.equal(whole, split) and same_keys_and_values(whole_cache, split_cache)
+
+
+def test_a_first_reply_on_int4_weights_is_generates_token_for_token():
+    """A first reply, bf16, a prompt past KERNEL_ROWS: the session and model.generate prefill it in
+    one forward and decode through bitwise equal steps, so they agree token for token. (Later
+    turns are fed in other chunks: a few bf16 steps apart, see the embedded test below.)"""
+    model, tokenizer = make_tiny_chat(torch.bfloat16)
+    quantized(model, "int4")
+    turn = "Tell me a story about a lighthouse keeper and the ships at sea."
+    expected = naive_replies(model, tokenizer, [turn], 24, lambda: H2OCache(model, policy="full"))
+    session = ChatSession(model, tokenizer, cache=dict(policy="full"), temperature=0, max_new_tokens=24)
+    assert chat(session, [turn]) == expected and len(session.timeline.fed) > KERNEL_ROWS + 24
+
+
+def fed_as_a_session_feeds_it(model, ids, replies):
+    """ids [1, n] into a cache (policy "full") as a ChatSession feeds a conversation: each message
+    (with the template around it) in one forward, each reply's tokens, [start, stop) in `replies`,
+    one a step through the lean step -> (logits [1, vocab] float32 after the last token, cache)."""
+    cache, decoder, cuts = H2OCache(model, policy="full"), Decoder(model), [0]
+    for start, stop in replies:
+        cuts += [*range(start, stop)]
+    cuts.append(ids.shape[1])
+    for start, stop in zip(cuts, cuts[1:]):
+        logits = decoder.forward(ids[:, start:stop], cache)
+    return logits, cache
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_embedded_int4_session_and_generate_part_by_bf16_steps(embedded_int4_fp32, monkeypatch):
+    """Issue 32's check on the file's int4 weights: three turns, policy "full", float32, greedy, 24
+    tokens. The first reply is generate's token for token (the same prefill, bitwise equal steps).
+    Later, the session has fed each reply a token a step and each message in a few rows where
+    generate re-prefills the whole history in one forward, and the two part from the first layer:
+    past KERNEL_ROWS rows the weights are rounded to bf16 (the first layer's keys differ); and even
+    with every row through the kernel, a token attended alone and in a prefill round differently in
+    float32 (~1e-7), which the bf16 cast before o_proj turns into a bf16 step now and then. The
+    logits stay within 2^-5 of the largest: greedy text can differ where two tokens are closer."""
+    model, tokenizer = embedded_int4_fp32
+    turns = USER_TURNS[:3]
+    session = ChatSession(model, tokenizer, cache=dict(policy="full"), temperature=0, max_new_tokens=24)
+    replies = chat(session, turns)
+    assert replies[0] == naive_replies(model, tokenizer, turns[:1], 24, lambda: H2OCache(model, policy="full"))[0]
+
+    history = session.history[:5]  # the third turn's prompt, as the session rendered and fed it
+
+    def length(messages, **kwargs):
+        return len(tokenizer.apply_chat_template(messages, return_dict=True, **kwargs)["input_ids"])
+
+    ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert session.timeline.fed[:ids.shape[1]] == ids[0].tolist() and ids.shape[1] > KERNEL_ROWS
+    replies = [(length(history[:turn], add_generation_prompt=True), length(history[:turn + 1])) for turn in (1, 3)]
+    with torch.no_grad():
+        whole = model(ids, cache=H2OCache(model, policy="full"), logits_to_keep=1).logits[:, -1].float()
+        for every_row_through_the_kernel in (False, True):
+            if every_row_through_the_kernel:
+                monkeypatch.setattr(packed, "KERNEL_ROWS", 10**6)
+                whole_cache = H2OCache(model, policy="full")
+                whole = model(ids, cache=whole_cache, logits_to_keep=1).logits[:, -1].float()
+            fed, fed_cache = fed_as_a_session_feeds_it(model, ids, replies)
+            assert not torch.equal(fed, whole)
+            torch.testing.assert_close(fed, whole, atol=whole.abs().max().item() / 2**5, rtol=0)
+    # through the kernel alone the first layer's keys and values are the same bits (a row's
+    # projections do not depend on its call); a later layer's are not (attention's rounding)
+    assert torch.equal(fed_cache.layers[0].kv, whole_cache.layers[0].kv)
+    assert not same_keys_and_values(fed_cache, whole_cache)
 
 
 def test_odd_widths_through_the_lean_step():

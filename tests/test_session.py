@@ -26,14 +26,15 @@ USER_TURNS = ["Hello there!", "Tell me a story about a lighthouse.", "Make it sh
 NO_EVICTION = dict(policy="h2o", budget=4096, n_sink=4, n_recent=64)
 
 
-def naive_replies(model, tokenizer, user_turns, max_new_tokens):
-    """What a typical app does: re-render and re-prefill the whole history every turn."""
+def naive_replies(model, tokenizer, user_turns, max_new_tokens, new_cache=DynamicCache):
+    """What a typical app does: re-render and re-prefill the whole history every turn (into a
+    new_cache() each time)."""
     history, replies = [], []
     for text in user_turns:
         history.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
-        out = model.generate(ids, cache=DynamicCache(), max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(ids, cache=new_cache(), max_new_tokens=max_new_tokens, do_sample=False)
         reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         history.append({"role": "assistant", "content": reply})
         replies.append(reply)

@@ -140,8 +140,8 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | torch.dtyp
     config = _load_config(source, label, remote)
     check_supported(config, label)
     tokenizer = _load_tokenizer(source, label, remote)
-    model = _load_quantized(source, label, config, torch_dtype, quantization, quantization_config, gguf_path,
-                            device, device_map, remote)
+    model = _load_and_pack(source, label, config, torch_dtype, quantization, quantization_config, gguf_path,
+                           device, device_map, remote)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
@@ -160,11 +160,14 @@ def _embedded_weights(quantization):
         return None
 
 
-def _load_quantized(source, label, config, torch_dtype, quantization, quantization_config, gguf_path, device,
-                    device_map, remote):
-    """The weights as `quantization` says, the packed layers' q/k/v and gate/up fused. A load that
-    fails leaves nothing behind: the error is raised after the half-built model is let go (the
-    traceback's frames would otherwise keep it alive as long as the caller keeps the error)."""
+def _load_and_pack(source, label, config, torch_dtype, quantization, quantization_config, gguf_path, device,
+                   device_map, remote):
+    """The model with its weights as `quantization` says: a GGUF's packed from its blocks (gguf.py),
+    else the float weights from_pretrained reads (or bitsandbytes' layers), quantized here for
+    "int4"/"int8" and left float for "none"; whatever is packed has its q/k/v and gate/up fused
+    (quantize.fuse_projections). A load that fails leaves nothing behind: the error is raised after
+    the half-built model is let go (the traceback's frames would otherwise keep it alive as long as
+    the caller keeps the error)."""
     from .gguf import GGUFError, load_gguf_model
     from .quantize import PACKED, fuse_projections, quantize_linears
 

@@ -15,6 +15,17 @@ Why decode is faster: a token reads every weight once, and a CPU's time for that
 over the memory bandwidth; 4.5 bits a weight instead of 16. Why prefill is not done by the same
 kernel: it dequantizes its weights again for every few rows (measured: 2.3x bf16's time at 256
 rows), so above `KERNEL_ROWS` rows a layer dequantizes its weight once and calls bf16 matmul.
+
+What that costs in exactness: a row's result depends on how many rows share its call. Up to
+KERNEL_ROWS it is the kernel's bits whatever the count, fused (q/k/v in one call) or not; past it,
+the weight is rounded to bf16 first (each weight by up to 2^-9 of itself), so the result moves by
+up to ~2^-8 of sum(|x| |w|). And every input is cast to bf16: a float32 difference of ~1e-7
+elsewhere (attention for one token against the same token inside a prefill) moves an input to
+the next bf16 value now and then, which float weights would carry on at ~1e-7. So the same tokens
+fed in different chunks (a ChatSession's turns: a reply one token a step, a message in a few rows;
+model.generate: the whole history in one forward) part from the first layers on: on the embedded
+model by ~1% of the largest logit (a few bf16 steps; float32 activations), and greedy text can
+differ where two tokens are that close. Both causes are measured in tests/test_quantized.py.
 """
 
 from __future__ import annotations
@@ -201,6 +212,8 @@ class Int4Linear(nn.Module):
         return cls.from_codes(codes, scale, zero, weight.shape[1], bias, device=device or weight.device)
 
     def forward(self, x):
+        """x [..., in_features] -> [..., out_features] in x's dtype, computed in bf16: the kernel up to
+        KERNEL_ROWS rows, past them the bf16-rounded weight (not the kernel's bits: module docstring)."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
         if rows.shape[0] > KERNEL_ROWS and self.packed.device.type == "cpu":
@@ -314,6 +327,8 @@ class Int8Linear(nn.Module):
         return cls(codes.to(device), scale.to(device=device, dtype=COMPUTE_DTYPE), bias, weight.shape[1])
 
     def forward(self, x):
+        """x [..., in_features] -> [..., out_features] in x's dtype, computed in bf16: the kernel up to
+        KERNEL_ROWS rows, past them the bf16-rounded weight (not the kernel's bits: module docstring)."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
         if rows.shape[0] > INT8_KERNEL_ROWS or not self.has_kernel:
