@@ -22,6 +22,9 @@
     reopen   stories of 2,000 / 10,000 / 35,000 tokens reopened from their saved cache (fresh
              processes) against replayed; disk and write time per reply; Open WebUI's older branch
              resent through /v1, with saved caches and without
+    decode-peers  decode tokens/s after a ~1,000-token held-out history: the app's path against
+             llama.cpp's server and OpenVINO GenAI (its H2O-style eviction on, and off) on the
+             same GGUF and token ids, each arm a fresh process per round
     user-gguf  a Llama-3.2-1B-shaped random GGUF (Q4_0, Q4_K_M, ...) loaded at its own width against
              dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
@@ -37,9 +40,23 @@ from dataclasses import fields
 
 from ..cache.config import CacheConfig
 from ..serve.cli import add_setting_flag
-from . import batch, concurrent, decode, dialogue, ops, panel, prefill, prefill_speed, reopen, soak, story, user_gguf
+from . import (
+    batch,
+    concurrent,
+    decode,
+    decode_peers,
+    dialogue,
+    ops,
+    panel,
+    prefill,
+    prefill_speed,
+    reopen,
+    soak,
+    story,
+    user_gguf,
+)
 from .common import MT_BENCH, SHAKESPEARE
-from .peers import kvpress, llamacpp
+from .peers import kvpress, llamacpp, openvino
 
 CACHE_SETTINGS = {f.name: f for f in fields(CacheConfig)}
 
@@ -154,6 +171,26 @@ def main(argv=None):
     quantization_flag(p, many=True)
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=decode.run)
+
+    p = sub.add_parser("decode-peers", parents=[shared], help="decode tokens/s after a held-out history: h2o vs "
+                       "llama.cpp vs OpenVINO GenAI (eviction on and off)")
+    p.add_argument("--history", type=int, default=1000, help="tokens of --text in the history (plus the template's)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    cache_flag(p, "budget")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every arm, the order rotating (medians reported)")
+    p.add_argument("--threads", type=int, default=None, help="threads of every arm (default: torch's)")
+    p.add_argument("--dtype", default="auto", help="h2o's model dtype")
+    quantization_flag(p)
+    p.add_argument("--llamacpp", nargs="?", const="", default=None, metavar="PYTHON",
+                   help=f"also llama.cpp's server (xllamacpp venv: PYTHON, ${llamacpp.ENV_VAR} or {llamacpp.DEFAULT_PYTHON})")
+    p.add_argument("--openvino", nargs="?", const="", default=None, metavar="PYTHON",
+                   help=f"also OpenVINO GenAI, eviction on and off (openvino-genai venv: PYTHON, ${openvino.ENV_VAR} or "
+                        f"{openvino.DEFAULT_PYTHON})")
+    p.add_argument("--openvino-start", type=int, default=32, help="OpenVINO's start area, never evicted (tokens)")
+    p.add_argument("--openvino-recent", type=int, default=224,
+                   help="OpenVINO's recent area, never evicted (tokens); the evictable area is the budget's rest")
+    add_quick(p, history=300, new_tokens=16, repeats=1)
+    p.set_defaults(run=decode_peers.run)
 
     p = sub.add_parser("ops", parents=[shared], help="aten ops and host syncs per decode token (profiler)")
     p.add_argument("--seen", type=int, default=600)

@@ -67,14 +67,17 @@ def h2o_arm(file, quantization, new_tokens, threads):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llamacpp_arm(python, file, prompt_ids, new_tokens, threads, log):
-    with llamacpp.start_server(python, file, threads=threads, n_ctx=2048, log=log) as server:
+def llamacpp_arm(python, file, prompt_ids, new_tokens, threads, log, n_ctx=2048):
+    """llama.cpp's server on `file`, fresh: a warm-up, then `new_tokens` greedy tokens after
+    `prompt_ids` (end of text ignored). Its figures, from its own `timings`."""
+    with llamacpp.start_server(python, file, threads=threads, n_ctx=n_ctx, log=log) as server:
         server.complete(prompt_ids[:8], 4)  # warm-up
         response = server.complete(prompt_ids, new_tokens, ignore_eos=True)
         peak = _peak_rss_mib(server.process.pid)
         settings = server.settings
     t = response["timings"]
     return {"decode_tok_s": t["predicted_per_second"], "new_tokens": t["predicted_n"], "peak_rss_MiB": peak,
+            "ttft_s": t["prompt_ms"] / 1000,
             "load_s": "", "weights": f"llama.cpp {settings.get('version')}"}
 
 
