@@ -183,8 +183,8 @@ class CacheConfig:
                           "only; full: never evict", label="Policy", choices=POLICIES)
     budget: int | float = setting(512, "KV slots per layer and KV head", label="Budget (slots)")
     n_sink: int = setting(4, "first tokens always kept (attention sinks)", label="Sinks", low=0, integer=True)
-    n_recent: int | float | None = setting(None, "newest tokens always kept (default: half of what the sinks leave)",
-                                           label="Recent window (0 = half)", low=0)
+    n_recent: int | float | None = setting(None, "newest tokens always kept (default: for h2o half of what the sinks "
+                                           "leave, for sink and window all of it)", label="Recent window (blank = auto)", low=0)
     score: str = setting("sum", "a token's attention, summed (the paper), per query that saw it (mean), or decayed",
                          label="Score", choices=SCORES)
     decay: float = setting(0.9, "the factor of score='decay'", low=0, high=1, low_open=True)

@@ -25,9 +25,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "max_new_tokens")  # the page's; the 
 # (the dataclass allows temperatures up to 5; the page offers up to 2).
 SLIDERS = {"temperature": dict(minimum=0, maximum=2, step=0.05), "top_p": dict(minimum=0.05, maximum=1, step=0.05)}
 # Fields that may be left blank: their setting's None (its default, worked out from the others).
-# The declared label of n_recent says "(0 = half)", which was the page's own rule: 0 now means
-# what it means everywhere else (none), so the page says what blank means instead.
-BLANK_IS_AUTO = {"n_recent": "Recent window (blank = auto)"}
+# 0 means what it means everywhere else (no recent window).
+BLANK_IS_AUTO = {"n_recent"}
 
 
 @dataclass
@@ -59,7 +58,7 @@ def field_for(setting, value=None):
     """The page's field for one settings dataclass field: a dropdown of its choices, a slider
     (SLIDERS) or a number box, labelled and explained by its declaration."""
     meta, elem_id = setting.metadata, setting.name.replace("_", "-")
-    common = dict(label=BLANK_IS_AUTO.get(setting.name, meta["label"]), info=meta["help"], elem_id=elem_id)
+    common = dict(label=meta["label"], info=meta["help"], elem_id=elem_id)
     if meta["choices"]:
         return gr.Dropdown(list(meta["choices"]), value=value, **common)
     if setting.name in SLIDERS:
