@@ -116,3 +116,20 @@ def test_models_it_cannot_run_exactly_take_their_own_forward():
     config = make_tiny_llama().config
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     assert Decoder(LlamaForCausalLM(config)).why_not == "RoPE type 'dynamic'"
+
+
+def test_the_step_is_one_graph_for_a_compiler():
+    # issue 32: a GPU needs the step captured whole. Dynamo traces the lean step, the cache's write,
+    # attention, scoring and eviction included, as one graph with no break; the slot buffers it
+    # mutates are each of one dtype (inductor refuses a mutated input viewed as two dtypes)
+    import torch._dynamo
+
+    model = make_tiny_llama(torch.float32)
+    cache, decoder = H2OCache(model, budget=12, n_sink=2, n_recent=4), Decoder(model)
+    with torch.no_grad():
+        model(torch.arange(20)[None] % model.config.vocab_size, cache=cache)  # full: it evicts every step
+        explained = torch._dynamo.explain(decoder.step)(torch.tensor([[5]]), torch.tensor([20]), cache)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    for layer in cache.layers:
+        assert layer.acc.dtype == torch.float32 and layer.meta.dtype == torch.int32
+        assert layer.acc.untyped_storage().data_ptr() != layer.meta.untyped_storage().data_ptr()
