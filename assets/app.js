@@ -31,6 +31,35 @@ document.addEventListener("keydown", (event) => {
   box.dataset.sent = box.value;
 }, true);
 
+// A message on its way: SEND_JS keeps it in sessionStorage, with the number of user messages the
+// chat showed, until the chat shows one more. If the page loads again first (a server restart:
+// Gradio reloads the page when the app it talks to is a new one) and the chat it draws has no more
+// user messages than then, the message was never taken: it goes back into the box, to send again.
+(() => {
+  const KEY = "h2o-unsent";
+  let loaded = false;
+  const check = () => {
+    const unsent = JSON.parse(sessionStorage.getItem(KEY) || "null");
+    const taken = unsent !== null && document.querySelectorAll("#chat .user-row").length > unsent.users;
+    if (loaded) {
+      if (taken) sessionStorage.removeItem(KEY);
+      return;
+    }
+    // the page's load event fills the stats, and the chat with them
+    const stats = (document.querySelector("#stats") || {}).innerText || "";
+    const box = document.querySelector("#message textarea");
+    if (!box || !(stats.includes("Send a message") || stats.includes("tokens seen"))) return;
+    loaded = true;
+    if (unsent === null) return;
+    if (!taken && !box.value) {
+      box.value = unsent.text;
+      box.dispatchEvent(new Event("input", { bubbles: true }));
+    }
+    sessionStorage.removeItem(KEY);
+  };
+  new MutationObserver(check).observe(document.documentElement, { childList: true, subtree: true });
+})();
+
 // Pins as state. The server lists the pinned messages in #chat-marks (ui_chat.marks_html); each
 // message's flag is then named for what it does, its menu offers only Pin or Unpin, as the
 // message is, and a pinned message carries a mark (the token map's pinned colour, app.css).

@@ -29,6 +29,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 CACHE = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="mean", positions="rolling")
 WAIT_MS = 120_000  # generous: the CI machine may be busy
+RELOAD_S = 30  # how long a page whose server restarted is given to reload itself (Gradio does it)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,29 @@ def stop_and_settle(page):
 def send(page, text):
     box(page).fill(text)
     box(page).press("Enter")
+    page.get_by_text(text).first.wait_for(timeout=WAIT_MS)
+
+
+SHOWN_OR_BACK = """(text) => [...document.querySelectorAll('#chat .user-row')].some(r => r.innerText.includes(text))
+    || (document.querySelector('#message textarea') || {}).value === text"""
+
+
+def send_across_a_restart(page, text):
+    """`send`, on a page whose server restarted. Gradio reloads such a page when it meets the new
+    server: a person types into the page once it is there again (typing into a page mid-reload
+    reaches no handler), so this waits, a bounded while, for that reload and the page's load. A
+    message sent just before the reload was never taken: it is back in the box, never lost
+    (test_a_message_the_server_never_took_is_back_in_the_box_after_a_reload), and is sent again."""
+    deadline = time.monotonic() + RELOAD_S
+    while page.evaluate("() => window.h2oBeforeRestart === true") and time.monotonic() < deadline:
+        page.wait_for_timeout(200)
+    page.wait_for_selector("#message textarea", timeout=WAIT_MS)
+    wait_for_the_page_load(page)
+    box(page).fill(text)
+    box(page).press("Enter")
+    page.wait_for_function(SHOWN_OR_BACK, arg=text, timeout=WAIT_MS)
+    if box(page).input_value() == text:
+        box(page).press("Enter")
     page.get_by_text(text).first.wait_for(timeout=WAIT_MS)
 
 
@@ -328,9 +352,10 @@ def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tm
             send(page, "Survive a restart")
             page.locator("#chat .bot-row").first.wait_for(timeout=WAIT_MS)
             reply = stop_and_settle(page)
+            page.evaluate("() => { window.h2oBeforeRestart = true; }")  # gone once Gradio reloads the page
         # the server is gone; a new one starts on the same port and data folder
         with live_app(data, model, tok, cache=CACHE, port=port, temperature=0, max_new_tokens=24) as (url, _):
-            send(page, "Still the same chat?")  # the same page, not reloaded: the conversation goes on
+            send_across_a_restart(page, "Still the same chat?")  # the same page: the conversation goes on
             page.wait_for_function("() => document.querySelectorAll('#chat .bot-row').length === 2", timeout=WAIT_MS)
             page.reload()
             page.get_by_text("Survive a restart").first.wait_for(timeout=WAIT_MS)
@@ -338,6 +363,29 @@ def test_after_a_server_restart_the_same_page_shows_the_conversation(browser, tm
             assert page.locator("#chat .bot-row").first.inner_text().strip() == reply.strip()
     finally:
         context.close()
+
+
+def test_a_message_the_server_never_took_is_back_in_the_box_after_a_reload(page):
+    # the send's request fails (a server going down), then the page loads again: the message was
+    # never taken, so it is in the box, not lost; sent from there, it is answered
+    page.route("**/gradio_api/queue/join*", lambda route: route.abort())
+    box(page).fill("Do not lose me")
+    box(page).press("Enter")
+    page.wait_for_function("() => document.querySelector('#message textarea').value === ''", timeout=WAIT_MS)
+    page.unroute("**/gradio_api/queue/join*")
+    page.reload()
+    wait_for_the_page_load(page)
+    page.wait_for_function("() => document.querySelector('#message textarea').value === 'Do not lose me'",
+                           timeout=WAIT_MS)
+    assert page.locator("#chat .user-row").count() == 0
+    box(page).press("Enter")
+    page.locator("#chat .bot-row").first.wait_for(timeout=WAIT_MS)
+    stop_and_settle(page)
+    assert "Do not lose me" in page.locator("#chat .user-row").first.inner_text()
+    page.reload()  # taken: a later load leaves the box empty
+    wait_for_the_page_load(page)
+    page.locator("#chat .user-row").first.wait_for(timeout=WAIT_MS)
+    assert box(page).input_value() == ""
 
 
 def test_two_tabs_stream_at_once_in_one_batch(browser, tmp_path):

@@ -28,11 +28,15 @@ READ_ONLY = "Read-only: New chat or Restore to write"
 BUSY = ("A reply is being written in this conversation (here or in another tab): your message is back in the "
         "box. Send it once that reply has ended, or Stop it.")
 # runs in the browser on Enter / Send: (message to send, what stays in the box). The text is the
-# box as it was when Enter went down (assets/app.js); keys typed since then stay in the box.
+# box as it was when Enter went down (assets/app.js); keys typed since then stay in the box. Until
+# the chat shows one more user message, the text is also kept in the tab's sessionStorage: a send
+# the server never took (it was restarting, and Gradio reloads the page) comes back into the box.
 SEND_JS = """(text) => {
   const box = document.querySelector('#message textarea');
   const sent = box && box.dataset.sent !== undefined ? box.dataset.sent : text;
   if (box) delete box.dataset.sent;
+  const users = document.querySelectorAll('#chat .user-row').length;
+  if (sent && sent.trim()) sessionStorage.setItem('h2o-unsent', JSON.stringify({text: sent, users}));
   const now = box ? box.value : '';
   return [sent, now.startsWith(sent) ? now.slice(sent.length) : ''];
 }"""
