@@ -51,14 +51,13 @@ def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, po
 
 
 @contextmanager
-def loading_server(cache):
-    """The API's routes beside a page whose model is still loading (create_router with no model),
-    on a free local port: yields the server's url."""
+def serve_routes(router, label):
+    """The API's routes of `router` beside a page that only says `label`, on a free local port:
+    yields the server's url."""
     import gradio as gr
 
-    router = create_router(None, None, dict(cache))
     with gr.Blocks() as demo:
-        gr.Markdown("loading")
+        gr.Markdown(label)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                 app_kwargs={"routes": router.routes})
@@ -66,6 +65,11 @@ def loading_server(cache):
         yield f"http://127.0.0.1:{port}"
     finally:
         demo.close()
+
+
+def loading_server(cache):
+    """The API's routes beside a page whose model is still loading (create_router with no model)."""
+    return serve_routes(create_router(None, None, dict(cache)), "loading")
 
 
 def text_of(message):

@@ -9,7 +9,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import gradio as gr
 import httpx
 import openai
 import pytest
@@ -18,7 +17,7 @@ import torch
 from h2o_chat.chat import timeline as timeline_mod
 from h2o_chat.serve.api import create_router
 from tests.conftest import make_tiny_chat
-from tests.live import free_port, never_ending
+from tests.live import never_ending, serve_routes
 from tests.test_api import CACHE, api_server
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.live, pytest.mark.slow]
@@ -269,15 +268,8 @@ def api_only(data_dir):
     """The API alone on a free port (the page needs a writable data folder for its browser key)."""
     model, tokenizer = make_tiny_chat(torch.float64)
     router = create_router(model, tokenizer, dict(CACHE), str(data_dir))
-    with gr.Blocks() as demo:
-        gr.Markdown("api only")
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                app_kwargs={"routes": router.routes})
-    try:
-        yield f"http://127.0.0.1:{port}", router
-    finally:
-        demo.close()
+    with serve_routes(router, "api only") as url:
+        yield url, router
 
 
 def test_a_data_folder_that_cannot_be_written_still_answers(tmp_path):
