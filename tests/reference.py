@@ -26,7 +26,7 @@ class Entry:
 class ReferenceH2O:
     model: torch.nn.Module
     policy: str = "h2o"
-    budget: int | None = None  # None: never evict
+    budget: int | list | None = None  # None: never evict; a list: each layer's budget
     n_sink: int = 0
     n_recent: int = 0
     score: str = "sum"
@@ -42,7 +42,7 @@ class ReferenceH2O:
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.inv_freq = self.model.model.rotary_emb.inv_freq.float()
         self.n_seen = 0
-        self.roll_floor = 0  # rolling: no key sits below this position (0 until the first re-lay)
+        self.roll_floor = [0] * self.n_layers  # rolling, per layer: no key sits below this position (0 until its first re-lay)
         self.entries = None  # [layer][batch][kv_head] -> list[Entry]
 
     def rope(self, x, position):
@@ -102,32 +102,37 @@ class ReferenceH2O:
             hidden = hidden + attn.o_proj(out.reshape(b, n, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         self.n_seen += n
-        # rolling: once the oldest key *could* be more than twice the budget (or the trained
-        # context) behind the next query, every head's keys are laid at contiguous positions
-        # ending right before it. "Could": the bound the host knows without looking (the floor
-        # left by the last re-lay; a span grows by at most one a token), as H2OCache decides it.
-        evicting = self.budget is not None and len(self.entries[0][0][0]) > self.budget
-        roll_span = min(2 * (self.budget or 0), self.model.config.max_position_embeddings)
-        roll = self.positions == "rolling" and evicting and self.n_seen - self.roll_floor > roll_span
+        # rolling: once the oldest key of a layer *could* be more than twice its budget (or the
+        # trained context) behind the next query, every head's keys are laid at contiguous
+        # positions ending right before it. "Could": the bound the host knows without looking (the
+        # floor left by the layer's last re-lay; a span grows by at most one a token), as H2OCache
+        # decides it.
         for li in range(self.n_layers):
+            budget = self.budget_of(li)
+            evicting = budget is not None and len(self.entries[li][0][0]) > budget
+            roll_span = min(2 * (budget or 0), self.model.config.max_position_embeddings)
+            roll = self.positions == "rolling" and evicting and self.n_seen - self.roll_floor[li] > roll_span
             for bi in range(b):
                 for kh in range(self.n_kv):
-                    kept = self._evict(self.entries[li][bi][kh])
+                    kept = self._evict(self.entries[li][bi][kh], budget)
                     if roll:
                         for rank, e in enumerate(sorted(kept, key=lambda e: e.token_id)):
                             e.position = self.n_seen - len(kept) + rank
                     self.entries[li][bi][kh] = kept
-        if roll:
-            self.roll_floor = self.n_seen - self.budget
+            if roll:
+                self.roll_floor[li] = self.n_seen - budget
         return self.model.lm_head(m.norm(hidden))
+
+    def budget_of(self, layer):
+        return self.budget[layer] if isinstance(self.budget, list) else self.budget
 
     def priority(self, e):
         if self.policy != "h2o":
             return e.token_id
         return e.score / e.queries if self.score == "mean" else e.score
 
-    def _evict(self, entries):
-        if self.budget is None or len(entries) <= self.budget:
+    def _evict(self, entries, budget):
+        if budget is None or len(entries) <= budget:
             return entries
         n_sink = 0 if self.policy == "window" else self.n_sink
 
@@ -137,7 +142,7 @@ class ReferenceH2O:
 
         kept = [e for e in entries if protected(e)]
         rest = sorted((e for e in entries if not protected(e)), key=lambda e: (self.priority(e), e.token_id), reverse=True)
-        kept += rest[: self.budget - len(kept)]
+        kept += rest[: budget - len(kept)]
         return kept
 
     # what the tests compare

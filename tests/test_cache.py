@@ -9,6 +9,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from h2o_chat import CacheConfig, H2OCache
 from h2o_chat.cache import scoring
 from h2o_chat.cache.scoring import add_mass, grouped_attention
+from h2o_chat.cache.config import BUDGET_SHAPES, layer_budgets
 from h2o_chat.cache.step import KEY
 from tests import reference
 from tests.conftest import make_tiny_llama
@@ -53,29 +54,34 @@ def run_both(model, cache, ref, prompt, steps, check):
         check(logits, ref_logits)
 
 
-# the single-KV-head (MQA) model, batch 1 and 2: one head's slots are a dense block of the buffer
-MQA_CASES = [(policy, "sum", positions, batch) for policy in ("h2o", "sink") for positions in POSITIONS
-             for batch in (1, 2)]
+# the single-KV-head (MQA) model, batch 1 and 2: one head's slots are a dense block of the buffer;
+# each budget shape (a pyramid's layers hold 17 and 7 slots of the stated 2 x 12)
+MQA_CASES = [(policy, "sum", positions, batch, shape) for policy in ("h2o", "sink") for positions in POSITIONS
+             for batch in (1, 2) for shape in BUDGET_SHAPES]
 
 
+@pytest.mark.parametrize("budget_shape", BUDGET_SHAPES)
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("policy,score", POLICY_SCORES)
 @pytest.mark.slow
-def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score, positions):
-    check_against_reference(tiny_llama64, policy, score, positions, batch=2)
+def test_same_tokens_scores_and_logits_as_reference(tiny_llama64, policy, score, positions, budget_shape):
+    check_against_reference(tiny_llama64, policy, score, positions, batch=2, budget_shape=budget_shape)
 
 
-@pytest.mark.parametrize("policy,score,positions,batch", MQA_CASES)
-def test_single_kv_head_same_as_reference(policy, score, positions, batch):
-    check_against_reference(make_tiny_llama(torch.float64, kv_heads=1), policy, score, positions, batch)
+@pytest.mark.parametrize("policy,score,positions,batch,budget_shape", MQA_CASES)
+def test_single_kv_head_same_as_reference(policy, score, positions, batch, budget_shape):
+    check_against_reference(make_tiny_llama(torch.float64, kv_heads=1), policy, score, positions, batch, budget_shape)
 
 
-def check_against_reference(model, policy, score, positions, batch):
+def check_against_reference(model, policy, score, positions, batch, budget_shape="uniform"):
     kv_heads = model.config.num_key_value_heads
     cache = H2OCache(model, policy=policy, budget=12, n_sink=2, n_recent=4, score=score, positions=positions,
-                     prefill_chunk=5)
+                     prefill_chunk=5, budget_shape=budget_shape)
     lim = cache.limits
-    ref = ReferenceH2O(model, policy=policy, budget=lim.budget, n_sink=lim.n_sink, n_recent=lim.n_recent,
+    budgets = [lim.layer(i).budget for i in range(2)]
+    if policy != "full":  # uniform: 12 in each layer; pyramid: the 6 heavy slots (8: window has no sinks) as 11 + 1 (15 + 1)
+        assert budgets == [12, 12] if budget_shape == "uniform" else [19, 5] if policy == "window" else [17, 7]
+    ref = ReferenceH2O(model, policy=policy, budget=budgets, n_sink=lim.n_sink, n_recent=lim.n_recent,
                        score=score, positions=positions, prefill_chunk=5)
     prompt = torch.randint(0, 128, (batch, 23), generator=torch.Generator().manual_seed(2))
 
@@ -98,7 +104,10 @@ def check_against_reference(model, policy, score, positions, batch):
 
     run_both(model, cache, ref, prompt, 40, check)
     if policy != "full":
-        assert cache.layers[0].n_slots == 12
+        assert [layer.n_slots for layer in cache.layers] == budgets
+        # memory: the stated total, 2 layers x 12 slots, each [batch, kv_heads, head_dim] keys and values
+        per_slot = 2 * batch * kv_heads * cache.head_dim * cache.layers[0].kv.element_size()
+        assert cache.kv_bytes() == 2 * 12 * per_slot
 
 
 def test_pinned_tokens_match_reference_and_stay(tiny_llama64):
@@ -304,11 +313,58 @@ def test_a_model_switched_to_h2o_still_works_with_dynamic_cache():
     (dict(n_sink=-1), "sinks must be at least 0, got -1"),
     (dict(budget=64, n_recent=0.5), "the recent window may be a fraction only"),
     (dict(decay=0.0), "decay must be more than 0 and at most 1"),
+    (dict(budget_shape="cone"), "unknown budget_shape 'cone'"),
+    # a pyramid shares the heavy-hitter slots: with none, its top layer would hold only sinks and recent
+    (dict(budget=16, n_sink=4, n_recent=12, budget_shape="pyramid"),
+     "the budget shape 'pyramid' needs heavy-hitter slots to share between layers, but a budget of 16 with 4 sinks "
+     "and a recent window of 12 leaves none: raise the budget or lower the recent window"),
+    (dict(policy="sink", budget=16, budget_shape="pyramid"), "a recent window of 12 leaves none"),
 ])
 def test_bad_settings_are_refused_before_any_work(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         H2OCache(tiny_llama, **kwargs)
     assert tiny_llama.config._attn_implementation != "h2o"  # refused before touching the model
+
+
+@pytest.mark.parametrize("budget,n_layers,want", [
+    (16, 2, (25, 7)),  # heavy 10: the top layer 10/20 -> at least 1, the bottom 2 x 10 - 1
+    (46, 3, (84, 46, 8)),  # heavy 40: 78, 40, 2
+    (36, 4, (65, 46, 26, 7)),  # heavy 30: 58.5, 39.5, 20.5, 1.5; the two rounded up are the lowest layers
+    (16, 1, (16,)),  # one layer: nothing to share
+    (7, 30, (7,) * 30),  # heavy 1: the top's at-least-1 is the average, every layer the same
+])
+def test_pyramid_layer_budgets_fall_linearly_and_sum_to_the_total(budget, n_layers, want):
+    assert layer_budgets(budget, 2, 4, n_layers) == want
+    limits = CacheConfig(budget=budget, n_sink=2, n_recent=4, budget_shape="pyramid").resolve(0, n_layers)
+    assert limits.layers == want and sum(want) == n_layers * budget
+    assert [limits.layer(i).budget for i in range(n_layers)] == list(want)
+    assert limits.tightest.budget == min(want)
+
+
+def test_pyramid_of_the_app_budget_keeps_every_layer_its_window():
+    # the embedded model's 30 layers at the app's 512 slots: more below, fewer above, none below sinks + recent + 1
+    limits = CacheConfig(budget=512, n_sink=4, budget_shape="pyramid").resolve(0, 30)
+    layers = limits.layers
+    assert sum(layers) == 30 * 512 and list(layers) == sorted(layers, reverse=True)
+    assert min(layers) >= limits.n_sink + limits.n_recent + 1 and layers[0] > 512 > layers[-1]
+    assert CacheConfig(budget=512, n_sink=4).resolve(0, 30).layers is None  # uniform: one budget, as before
+
+
+def test_fraction_pyramid_is_shared_at_the_first_prompt(tiny_llama):
+    cache = H2OCache(tiny_llama, policy="h2o", budget=0.2, n_sink=2, n_recent=0.05, budget_shape="pyramid")
+    tiny_llama(torch.randint(0, 128, (1, 200)), cache=cache)
+    assert (cache.limits.budget, cache.limits.layers) == (40, (2 + 10 + 55, 2 + 10 + 1))
+    assert [layer.n_slots for layer in cache.layers] == [67, 13]
+    assert cache.kv_bytes() == 2 * 40 * cache.full_kv_bytes() // (2 * 200)  # the stated total of 2 x 40 slots
+
+
+def test_pins_must_fit_the_smallest_layer(tiny_llama):
+    cache = H2OCache(tiny_llama, policy="h2o", budget=16, n_sink=2, n_recent=4, budget_shape="pyramid")
+    assert cache.limits.layers == (25, 7)  # the top layer has 1 slot beyond its sinks and recent window
+    cache.protect(10, 11)
+    with pytest.raises(ValueError, match="the pins need 2 slots, but 4 recent [+] 2 sinks leave 1 of the smallest "
+                                         "layer's budget of 7: raise the budget"):
+        cache.protect(20, 21)
 
 
 def test_unsupported_architecture_is_refused():

@@ -51,17 +51,23 @@ def ppl_configs(args, budgets):
     cache once. Knobs that mean nothing to a policy are not swept for it: full has none, window
     and sink keep the newest tokens (n_recent changes nothing), window has no sinks. A label
     names only the knobs that vary on the command line."""
-    varies = {"n_sink": len(args.n_sink) > 1, "n_recent": len(args.n_recent) > 1, "positions": len(args.positions) > 1}
+    varies = {"n_sink": len(args.n_sink) > 1, "n_recent": len(args.n_recent) > 1, "positions": len(args.positions) > 1,
+              "budget_shape": len(args.budget_shape) > 1}
     seen, configs = set(), []
-    for method, budget, n_sink, recent, positions in itertools.product(args.methods, budgets, args.n_sink,
-                                                                       args.n_recent, args.positions):
+    for method, budget, n_sink, recent, positions, shape in itertools.product(
+            args.methods, budgets, args.n_sink, args.n_recent, args.positions, args.budget_shape):
         policy, _, score = method.partition("-")
         # n_recent: a fraction of the budget, a slot count, or None (the library's default split)
         n_recent = round(recent * budget) if isinstance(recent, float) else recent
         kw = dict(policy=policy, budget=budget, n_sink=n_sink, score=score or "sum",
-                  n_recent=n_recent if policy == "h2o" else None, positions=positions)
-        limits = CacheConfig(**kw).resolve(args.tokens)
-        key = ("full",) if policy == "full" else (method, limits, positions)
+                  n_recent=n_recent if policy == "h2o" else None, positions=positions, budget_shape=shape)
+        try:
+            limits = CacheConfig(**kw).resolve(args.tokens)
+        except ValueError:
+            if shape == "uniform":
+                raise
+            continue  # a pyramid with nothing to share (window, sink keep only sinks and newest): skipped
+        key = ("full",) if policy == "full" else (method, limits, positions, shape)
         if key in seen:
             continue
         seen.add(key)
@@ -73,6 +79,8 @@ def ppl_configs(args, budgets):
                          f"recent{recent:.0%}" if isinstance(recent, float) else f"recent{recent}")
         if policy != "full" and varies["positions"]:
             label.append(positions)
+        if policy != "full" and varies["budget_shape"]:
+            label.append(shape)
         configs.append((" ".join(label), method, kw, limits))
     return configs
 
@@ -94,7 +102,8 @@ def run(args):
     meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
             "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights,
             "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
-    columns = ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "ppl", "vs_full", "seconds"]
+    columns = ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "budget_shape", "ppl", "vs_full",
+               "seconds"]
     if len(args.quantization) > 1:
         columns[1:1] = ["quantization"]
         columns.insert(-1, f"vs_{args.quantization[0]}")
@@ -125,7 +134,8 @@ def short_ppl(args, model, tokenizer, quantization):
                      "budget": "all" if unbounded else limits.budget,
                      "budget_pct": "100%" if unbounded else f"{limits.budget / args.tokens:.0%}",
                      "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
-                     "positions": "" if unbounded else kw["positions"], "ppl": ppl,
+                     "positions": "" if unbounded else kw["positions"],
+                     "budget_shape": "" if unbounded else kw["budget_shape"], "ppl": ppl,
                      "seconds": round(time.perf_counter() - start, 1)})
         print(rows[-1], flush=True)
     full = next((r["ppl"] for r in rows if r["method"] == "full"), None)

@@ -10,10 +10,15 @@ a setting is described once.
 import math
 import numbers
 from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from functools import cached_property
 
 POLICIES = ("full", "window", "sink", "h2o")
 SCORES = ("sum", "mean", "decay")
 POSITIONS = ("absolute", "rolling")
+BUDGET_SHAPES = ("uniform", "pyramid")
+# PyramidKV's beta: the top layer keeps 1/beta of the average layer's heavy slots (their default, 20)
+PYRAMID_BETA = 20
 
 
 def setting(default, help, label=None, choices=None, low=None, high=None, low_open=False, integer=False):
@@ -170,13 +175,18 @@ class CacheConfig:
     prefill_chunk : int, default 256
         A long input is attended in chunks of this many tokens, evicting after each, so scoring
         never builds a `[heads, n, n]` matrix for the whole prompt.
+    budget_shape : {"uniform", "pyramid"}, default "uniform"
+        How the model's slots (layers x budget) are shared between its layers: `uniform`, the
+        budget in every layer; `pyramid` (PyramidKV), every layer keeps the sinks and the recent
+        window, and the heavy-hitter slots fall linearly from the bottom layer to the top one
+        (`layer_budgets`), the total unchanged.
 
     Raises
     ------
     ValueError
         An unknown choice; a `SettingError` (a ValueError naming the setting in words) for a budget
-        that is not positive (or not a number), negative counts, or `n_sink + n_recent` over an
-        int budget.
+        that is not positive (or not a number), negative counts, `n_sink + n_recent` over an
+        int budget, or a pyramid with no heavy-hitter slot to share.
     """
 
     policy: str = setting("h2o", "h2o: heavy hitters + newest; sink: sinks + newest (StreamingLLM); window: newest "
@@ -191,6 +201,9 @@ class CacheConfig:
     positions: str = setting("rolling", "rolling re-lays kept keys so a chat outlives the model's context; absolute "
                              "keeps them where written", label="Positions", choices=POSITIONS)
     prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
+    budget_shape: str = setting("uniform", "uniform: the budget in every layer; pyramid: more heavy-hitter slots in "
+                                "lower layers, fewer in upper ones, the same total (PyramidKV)", label="Budget shape",
+                                choices=BUDGET_SHAPES)
 
     def __post_init__(self):
         check_fields(self)
@@ -211,23 +224,34 @@ class CacheConfig:
         if isinstance(b, int) and self.policy != "full" and self.n_sink_effective + (r or 0) > b:
             held = f"{self.n_sink_effective} sinks" + ("" if r is None else f" and a recent window of {r}")
             raise SettingError("budget", f"({b}) cannot hold {held}", "the budget")
+        if isinstance(b, int):
+            self.resolve(0, n_layers=2)  # a pyramid with nothing to share is refused now, not at the first input
 
     @property
     def n_sink_effective(self) -> int:
         return 0 if self.policy == "window" else self.n_sink
 
-    def resolve(self, prompt_len: int) -> "Budget":
+    def resolve(self, prompt_len: int, n_layers: int | None = None) -> "Budget":
         """The budgets in slots.
 
         Parameters
         ----------
         prompt_len : int
             The first prompt's length in tokens: what fractional budgets are taken of.
+        n_layers : int, optional
+            The model's layers, which `budget_shape` shares the slots between (None: the
+            average layer's budget only, as a table labels it).
 
         Returns
         -------
         Budget
-            `budget` (None for `full`), `n_sink` and `n_recent` in slots; `n_heavy` is the rest.
+            `budget` (None for `full`), `n_sink` and `n_recent` in slots; `n_heavy` is the rest;
+            `layers`, each layer's budget when they differ.
+
+        Raises
+        ------
+        SettingError
+            A pyramid whose average layer has no heavy-hitter slot to share.
         """
         if self.policy == "full":
             return Budget(budget=None, n_sink=0, n_recent=0)
@@ -242,20 +266,67 @@ class CacheConfig:
         else:
             n_recent = self.n_recent
         n_recent = min(n_recent, budget - n_sink)
-        return Budget(budget=budget, n_sink=n_sink, n_recent=n_recent)
+        layers = None
+        if self.budget_shape != "uniform" and n_layers is not None:
+            layers = layer_budgets(budget, n_sink, n_recent, n_layers)
+        return Budget(budget=budget, n_sink=n_sink, n_recent=n_recent, layers=layers)
+
+
+def layer_budgets(budget, n_sink, n_recent, n_layers):
+    """PyramidKV's budgets: [n_layers] ints, bottom layer first, summing to n_layers * budget.
+
+    Every layer keeps `n_sink + n_recent` (the window a layer needs to read the newest text at
+    all, as PyramidKV keeps its observation window in every layer); the heavy-hitter slots
+    h = budget - n_sink - n_recent per layer fall linearly from 2h - h/beta at the bottom to
+    h/beta (at least 1) at the top, so their mean stays h. Why: lower layers spread attention
+    over much of the text, upper ones concentrate it on a few tokens (PyramidKV's "pyramidal
+    information funneling"), so a few heavy hitters serve an upper layer as well as many.
+    Exact fractions, then the largest remainders (the lower layer first on a tie) round to whole
+    slots without changing the sum. SettingError when h < 1: the top layer would be left with
+    no slot beyond its sinks and recent window."""
+    heavy = budget - n_sink - n_recent
+    if heavy < 1:
+        raise SettingError("budget_shape", f"'pyramid' needs heavy-hitter slots to share between layers, but a budget "
+                           f"of {budget} with {n_sink} sinks and a recent window of {n_recent} leaves none: raise the "
+                           "budget or lower the recent window", "the budget shape")
+    if n_layers == 1:
+        return (budget,)
+    top = max(Fraction(1), Fraction(heavy, PYRAMID_BETA))
+    bottom = 2 * heavy - top
+    exact = [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
+    whole = [math.floor(x) for x in exact]
+    for i in sorted(range(n_layers), key=lambda i: (whole[i] - exact[i], i))[: heavy * n_layers - sum(whole)]:
+        whole[i] += 1
+    return tuple(n_sink + n_recent + h for h in whole)
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Resolved slot counts; `budget` None means unbounded (policy "full")."""
+    """Resolved slot counts per layer and KV head; `budget` None means unbounded (policy "full").
+    `layers`: each layer's budget when they differ (budget_shape "pyramid"), summing to layers x
+    `budget`; None when every layer has `budget`. Every layer has the same sinks and recent window."""
 
     budget: int | None
     n_sink: int
     n_recent: int
+    layers: tuple[int, ...] | None = None
 
     @property
     def n_heavy(self) -> int:
         return 0 if self.budget is None else self.budget - self.n_sink - self.n_recent
+
+    def layer(self, i) -> "Budget":
+        """Layer i's limits: this Budget itself when every layer has the same."""
+        return self if self.layers is None else self._per_layer[i]
+
+    @cached_property
+    def _per_layer(self):
+        return tuple(Budget(b, self.n_sink, self.n_recent) for b in self.layers)
+
+    @property
+    def tightest(self) -> "Budget":
+        """The limits of the layer with the fewest slots: what a pin must fit (it takes a slot in every layer)."""
+        return self if self.layers is None else Budget(min(self.layers), self.n_sink, self.n_recent)
 
 
 # The settings a user of the app changes (its flags, the page's Cache fields, the API's "h2o" object);

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
-from .config import Budget, CacheConfig
+from .config import Budget, CacheConfig, layer_budgets
 from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
 from .step import IDS, INT_OF, KEY, N_ACC, N_META, POS, QUERIES, SCORE, DecodeStep, attend_and_replace, score_dtype
 
@@ -75,21 +75,25 @@ def pinned_slots(pins, n_sink):
 
 
 def check_pins(pins, limits):
-    """PinRefused when `pins` leave these limits no room for the sinks and the recent window."""
+    """PinRefused when `pins` leave these limits no room for the sinks and the recent window (in
+    the layer with the fewest slots: a pinned token takes a slot in every layer)."""
     if limits is not None and limits.budget is not None:
-        pinned = pinned_slots(pins, limits.n_sink)
-        if limits.n_sink + pinned + limits.n_recent > limits.budget:
-            raise PinRefused(limits, pinned)
+        smallest = limits.tightest
+        pinned = pinned_slots(pins, smallest.n_sink)
+        if smallest.n_sink + pinned + smallest.n_recent > smallest.budget:
+            raise PinRefused(smallest, pinned, smallest=limits.layers is not None)
 
 
 class PinRefused(ValueError):
-    """Pins the budget has no room for: `limits` (a Budget) and `pinned`, the slots they would take."""
+    """Pins the budget has no room for: `limits` (a Budget: the smallest layer's) and `pinned`, the
+    slots they would take; `smallest`: the layers' budgets differ (budget_shape), and it says which."""
 
-    def __init__(self, limits, pinned):
+    def __init__(self, limits, pinned, smallest=False):
         self.limits, self.pinned = limits, pinned
         free = limits.budget - limits.n_sink - limits.n_recent
+        which = "the smallest layer's budget" if smallest else "the budget"
         super().__init__(f"the pins need {pinned} slots, but {limits.n_recent} recent + {limits.n_sink} sinks leave "
-                         f"{free} of the budget of {limits.budget}: raise the budget, lower the recent window or "
+                         f"{free} of {which} of {limits.budget}: raise the budget, lower the recent window or "
                          "unpin a message")
 
 
@@ -439,13 +443,13 @@ class H2OCache(Cache):
         self.max_positions = text_config.max_position_embeddings
         self._warned_positions = False
         self.limits: Budget | None = None  # resolved at the first input when the budget is a fraction
+        n_layers = text_config.num_hidden_layers
         if not isinstance(self.config.budget, float):
-            self.limits = self.config.resolve(0)
+            self.limits = self.config.resolve(0, n_layers)
         scoring.register()
         if model.config._attn_implementation != scoring.ATTN_NAME:
             model.set_attn_implementation(scoring.ATTN_NAME)
         inv_freq = model.base_model.rotary_emb.inv_freq.detach().float()
-        n_layers = text_config.num_hidden_layers
         # what a saved state must match (import_state): the shape and dtype of the keys this model writes
         self.kv_heads = text_config.num_key_value_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -486,7 +490,10 @@ class H2OCache(Cache):
         return per_token * self.get_seq_length()
 
     def slots_used(self, layer_idx=0):
-        """Slots per batch row and KV head that layer `layer_idx` holds now (<= budget)."""
+        """Slots per batch row and KV head that layer `layer_idx` holds now (<= its budget); None:
+        the mean over the layers (rounded down), what a layer holds when their budgets differ."""
+        if layer_idx is None:
+            return sum(layer.n_slots for layer in self.layers) // len(self.layers)
         return self.layers[layer_idx].n_slots
 
     # --- going back -----------------------------------------------------------------------------
@@ -529,10 +536,10 @@ class H2OCache(Cache):
         if counts is None or counts.dtype != torch.int64 or list(counts.shape) != [len(self.layers), 3]:
             raise ValueError(f"it holds {'no' if counts is None else list(counts.shape)[0]} layers, the model has "
                              f"{len(self.layers)}")
-        limits = read_limits(info.get("limits"), self.config)
+        limits = read_limits(info.get("limits"), self.config, len(self.layers))
         pins = read_pins(info.get("pins"))
         layers = [H2OLayer.state_from(tensors.get(f"layer.{i}.kv"), tensors.get(f"layer.{i}.meta"), row,
-                                      self.kv_heads, self.head_dim, self.dtype, limits)
+                                      self.kv_heads, self.head_dim, self.dtype, limits and limits.layer(i))
                   for i, row in enumerate(counts.tolist())]
         if len({state[0] for state in layers}) > 1:
             raise ValueError("its layers have seen different numbers of tokens")
@@ -604,7 +611,7 @@ class H2OCache(Cache):
         resolved at the first input), and a warning once the conversation passes the trained
         positions with positions='absolute'."""
         if self.limits is None:
-            self.limits = self.config.resolve(n_new)
+            self.limits = self.config.resolve(n_new, len(self.layers))
         self.check_positions(self.layers[0].n_seen + n_new)
 
     def attend(self, layer_idx, query, keys, values, scaling):
@@ -612,7 +619,7 @@ class H2OCache(Cache):
         queries [batch, q_heads, n, head_dim] attended over every slot, scored, evicted; returns
         [batch, n, q_heads, head_dim]. `begin(n)` comes first, once per forward."""
         self._unattended = None
-        return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits, self.pins)
+        return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits.layer(layer_idx), self.pins)
 
     def before_batched_step(self):
         """chat/batch.py is about to step this cache's layers by one token through an arena's views:
@@ -622,8 +629,8 @@ class H2OCache(Cache):
             layer.refresh_protection(self.limits.n_sink, self.pins)
 
     def after_batched_step(self):
-        for layer in self.layers:
-            layer.advance(self.limits)
+        for i, layer in enumerate(self.layers):
+            layer.advance(self.limits.layer(i))
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("H2OCache does not support beam search")
@@ -641,9 +648,10 @@ class H2OCache(Cache):
                 f"to keep every distance within the budget.", stacklevel=3)
 
 
-def read_limits(value, config: CacheConfig):
+def read_limits(value, config: CacheConfig, n_layers):
     """Saved limits ([budget, n_sink, n_recent] or None) as a Budget these settings can have
-    resolved to (exactly their own for a whole-number budget); ValueError otherwise."""
+    resolved to for `n_layers` layers (exactly their own for a whole-number budget; each layer's
+    budget as `budget_shape` shares it); ValueError otherwise."""
     if value is None:
         if isinstance(config.budget, float):
             return None
@@ -655,9 +663,15 @@ def read_limits(value, config: CacheConfig):
     if not isinstance(config.budget, float):
         if limits != config.resolve(0):
             raise ValueError(f"limits {value} are not those of these settings")
-    elif limits.budget is None or limits.budget < 1 or limits.n_sink + limits.n_recent > limits.budget:
+        return config.resolve(0, n_layers)
+    if limits.budget is None or limits.budget < 1 or limits.n_sink + limits.n_recent > limits.budget:
         raise ValueError(f"limits {value} cannot come from these settings")
-    return limits
+    if config.budget_shape == "uniform":
+        return limits
+    try:
+        return Budget(*value, layer_budgets(*value, n_layers))
+    except ValueError:
+        raise ValueError(f"limits {value} cannot come from these settings") from None
 
 
 def read_pins(value):

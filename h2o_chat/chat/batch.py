@@ -26,7 +26,7 @@ of its own and the last row moves into the hole, so rows [0, n) are always the b
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -160,7 +160,7 @@ class Batcher:
         cache = request.cache
         if request.input_ids.shape[1] != 1 or cache.limits is None or cache.limits.budget is None:
             return False
-        if any(layer.kv is None or layer.capacity != cache.limits.budget + 1 for layer in cache.layers):
+        if any(layer.kv is None or layer.capacity != cache.limits.layer(i).budget + 1 for i, layer in enumerate(cache.layers)):
             return False  # nothing fed yet, or an unbounded layer: it runs alone
         return True
 
@@ -212,9 +212,9 @@ class Batcher:
 
 
 def arena_key(cache):
-    """What conversations must share to be stacked: how their caches score and evict."""
+    """What conversations must share to be stacked: how their caches score and evict (each layer's budget too)."""
     c, lim = cache.config, cache.limits
-    return c.policy, c.score, c.decay, c.positions, lim.budget, lim.n_sink, lim.n_recent
+    return c.policy, c.score, c.decay, c.positions, lim.budget, lim.n_sink, lim.n_recent, lim.layers
 
 
 class Arena:
@@ -326,20 +326,15 @@ class Arena:
         return logits
 
     def _row_state(self, n_seen, active, group):
-        """What differs between the rows of one step, shared by every layer (see attend_and_replace)."""
+        """What differs between the rows of one step (see attend_and_replace), per layer: the same
+        StackedRows for every layer, but for the free slots of layers whose budgets differ."""
         first = self.members[0]
         layer, lim, config = first.layers[0], first.limits, first.config
-        _, _, h, cap, _ = layer.kv.shape
+        _, _, h, _, _ = layer.kv.shape
         n, dev, acc = len(self.members), layer.kv.device, score_dtype(layer.kv.dtype)
         on = torch.tensor(active, dtype=acc, device=dev)
         next_id = torch.tensor(n_seen, dtype=layer.meta.dtype, device=dev)
-        n_slots = [c.layers[0].n_slots for c in self.members]
-        empty = None
-        if any(s < lim.budget for s in n_slots):  # free slots: [n_slots, budget) of each row
-            slot = torch.arange(cap, device=dev)
-            filled = torch.tensor(n_slots, device=dev)[:, None]
-            empty = ((slot >= filled) & (slot < lim.budget))[:, None]  # [rows, 1, cap]
-        return StackedRows(
+        rows = StackedRows(
             next_id=next_id,
             # rows whose new token is never evicted: a sink (a chat shorter than n_sink) or pinned
             kept_rows=[r for r, c in enumerate(self.members) if active[r] and never_evicted(n_seen[r], lim.n_sink, c.pins)],
@@ -347,9 +342,22 @@ class Arena:
             weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
             beta=(1 + on * (config.decay - 1)).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),  # in acc
             query_add=on.view(n, 1, 1),
-            empty=empty,
+            empty=self._empty_slots(0),
             idle=None if all(active) else (on == 0).view(n, 1, 1),
         )
+        if lim.layers is None:
+            return [rows] * len(first.layers)
+        return [rows] + [replace(rows, empty=self._empty_slots(i)) for i in range(1, len(first.layers))]
+
+    def _empty_slots(self, i):
+        """[rows, 1, cap] bool: layer i's free slots, [n_slots, budget) of each row; None when every row is full."""
+        budget = self.members[0].limits.layer(i).budget
+        n_slots = [c.layers[i].n_slots for c in self.members]
+        if all(s >= budget for s in n_slots):
+            return None
+        slot = torch.arange(self.kv[i].shape[3], device=self.kv[i].device)
+        filled = torch.tensor(n_slots, device=slot.device)[:, None]
+        return ((slot >= filled) & (slot < budget))[:, None]
 
 
 class StackedLayer(CacheLayerMixin):
@@ -378,7 +386,8 @@ class StackedLayer(CacheLayerMixin):
 
 
 class StackedCache(Cache):
-    """The cache one batched decode step runs with: rows [0, n) of an arena, one token each."""
+    """The cache one batched decode step runs with: rows [0, n) of an arena, one token each;
+    `rows[i]`, layer i's StackedRows."""
 
     def __init__(self, arena, rows, n):
         self.arena, self.rows, self.n = arena, rows, n
@@ -399,5 +408,5 @@ class StackedCache(Cache):
         step = arena.steps[layer_idx]
         if step is None:
             step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, acc, query, scaling)
-        step.write_spare(keys, values, rows.next_id, rows.kept_rows)
-        return attend_and_replace(step, query, arena.members[0].config, rows)
+        step.write_spare(keys, values, rows[layer_idx].next_id, rows[layer_idx].kept_rows)
+        return attend_and_replace(step, query, arena.members[0].config, rows[layer_idx])

@@ -269,7 +269,7 @@ class ChatSession:
         timing = {"ttft_s": None, "tokens_per_s": None} if t is None else \
             {"ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
         return {"tokens_seen": cache.get_seq_length(), "tokens_processed": self.timeline.tokens_processed,
-                "slots_used": cache.slots_used(), "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
+                "slots_used": cache.slots_used(None), "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
                 **timing}
 
     # --- replies: generators that do their work when iterated ---------------------------------
@@ -482,8 +482,9 @@ class ChatSession:
         size = pinned_slots(turn_ranges(segments, {turn}), lim.n_sink)
         free = lim.budget - lim.n_recent - lim.n_sink - others
         what = "the system prompt" if turn == SYSTEM else "this message"
+        small = " (the smallest layer's budget)" if self.cache.limits.layers is not None else ""
         return (f"{what} is {size} tokens; {lim.n_recent} recent + {lim.n_sink} sinks + {others} pinned leave "
-                f"{max(free, 0)} free of {lim.budget}: raise the budget or lower the recent window"
+                f"{max(free, 0)} free of {lim.budget}{small}: raise the budget or lower the recent window"
                 + (", or unpin another message" if others else ""))
 
     def configure(self, cache: CacheConfig | dict | None = None, system_prompt: str | None = ...,

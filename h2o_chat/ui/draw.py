@@ -212,16 +212,19 @@ def memory_rows(stats, budget):
     grows with every token. So the rows are the breakpoints, the origin, the knee and now (read
     off the cache: its slots and bytes), drawn from the tokens seen and the budget alone: the
     first reply already shows the knee, and a replay redraws the whole history, not just since.
-    stats: ChatSession.stats; budget: slots per head (None: never evicts)."""
+    stats: ChatSession.stats; budget: slots per head (None: never evicts), or each layer's when
+    they differ (budget_shape): a knee per layer, the slots per head their mean."""
     n = stats["tokens_seen"]
     if n == 0:
         return []
     per_token = stats["full_kv_bytes"] / n  # a token's keys and values in every layer and KV head
-    xs = sorted({0, n} | ({budget} if budget is not None and budget < n else set()))
+    budgets = budget if isinstance(budget, tuple) else (budget,)
+    xs = sorted({0, n} | {b for b in budgets if b is not None and b < n})
     rows = []
     for x in xs:
-        slots = x if budget is None else min(x, budget)
-        kv = stats["kv_bytes"] if x == n else slots * per_token
+        held = x if budget is None else sum(min(x, b) for b in budgets) / len(budgets)  # slots per head, mean
+        slots = int(held)
+        kv = stats["kv_bytes"] if x == n else held * per_token
         if x == n:
             slots = stats["slots_used"]
         rows.append({"tokens seen": x, "cache": SERIES[0], "KV MiB": round(kv / 2**20, 3), "slots per head": slots})
@@ -331,6 +334,6 @@ def panel(session, layer=None, head=None, live=None, maps=True):
             "retention_map": retention_map_html(retention, layer) if maps else "",
             "stats": stats_markdown(stats, retention, layer, head, live, weights_label(session.model))
                      + pins_note(session, retention),
-            "memory": memory_rows(stats, limits.budget if limits is not None else None),
+            "memory": memory_rows(stats, None if limits is None else limits.layers or limits.budget),
             "heavy": top_heavy(session.ledger, retention, layer, head),
             "legend": legend_html(session.cache_config.policy)}
