@@ -8,8 +8,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from h2o_chat import CacheConfig, H2OCache
 from h2o_chat.cache import scoring
-from h2o_chat.cache.scoring import add_mass, grouped_attention
 from h2o_chat.cache.config import BUDGET_SHAPES, layer_budgets
+from h2o_chat.cache.scoring import add_mass, grouped_attention
 from h2o_chat.cache.step import KEY
 from tests import reference
 from tests.conftest import make_tiny_llama

@@ -120,6 +120,22 @@ def test_the_charts_show_the_knee_at_the_budget_from_the_first_reply(tiny_chat, 
     assert memory["a full cache"][2] == (n, round(stats["full_kv_bytes"] / 2**20, 3))
 
 
+def test_layers_of_their_own_budgets_draw_a_knee_each(tiny_chat):
+    # a pyramid's 2 layers hold 77 and 19 slots (48 each stated): the mean slots per head bend at
+    # 19 (the top layer full) and at 77 (the bottom one full), then stay at 48, the stated budget
+    model, tok = tiny_chat
+    s = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16, budget_shape="pyramid"),
+                    temperature=0, max_new_tokens=40)
+    for text in TURNS * 2:
+        "".join(s.send(text))
+    n, stats = s.stats["tokens_seen"], s.stats
+    assert n > 77 and s.cache.limits.layers == (77, 19)
+    assert chart(s, "slots per head")["this cache"] == [(0, 0), (19, 19), (77, 48), (n, 48)]
+    per_token = stats["full_kv_bytes"] / n
+    assert stats["kv_bytes"] == 48 * per_token  # the stated total: 77 + 19 slots = 2 layers x 48
+    assert chart(s, "KV MiB")["this cache"][2] == (77, round(48 * per_token / 2**20, 3))
+
+
 def test_a_replay_redraws_the_whole_history(tiny_chat):
     model, tok = tiny_chat
     s = ChatSession(model, tok, cache=dict(policy="h2o", budget=48, n_sink=2, n_recent=16), temperature=0,

@@ -40,8 +40,8 @@ TURNS = ["A lighthouse on a cliff, " * 3, "Who keeps it? " * 4, "A storm comes i
 DEADLINE_S = 120
 
 
-def greedy(model, tok, data_dir, **kwargs):
-    return ChatSession(model, tok, cache=CACHE, temperature=0, max_new_tokens=12, data_dir=data_dir, **kwargs)
+def greedy(model, tok, data_dir, cache=CACHE, **kwargs):
+    return ChatSession(model, tok, cache=cache, temperature=0, max_new_tokens=12, data_dir=data_dir, **kwargs)
 
 
 def story(session, turns=TURNS):
@@ -74,14 +74,16 @@ def newest(data_dir, conversation_id):
 
 # --- reopening ----------------------------------------------------------------------------------
 
-def test_a_reopened_conversation_loads_its_cache_bit_for_bit_and_replies_as_if_never_closed(tmp_path):
+@pytest.mark.parametrize("budget_shape", ["uniform", "pyramid"])
+def test_a_reopened_conversation_loads_its_cache_bit_for_bit_and_replies_as_if_never_closed(tmp_path, budget_shape):
     model, tok = make_tiny_chat()
-    session = greedy(model, tok, tmp_path)
+    session = greedy(model, tok, tmp_path, cache=dict(CACHE, budget_shape=budget_shape))
     story(session)
     saved_kv.flush()
     reopened = ChatSession.open(model, tok, session.id, tmp_path)
     assert reopened.timeline.tokens_processed == 0 and reopened.take_notices() == []  # loaded, nothing replayed
     assert_same_state(session, reopened)
+    assert reopened.cache.limits.layers == (None if budget_shape == "uniform" else (18 + 59, 18 + 1))  # 30 heavy: 58.5, 1.5
     for text in ("And then? " * 2, "The end."):
         assert "".join(reopened.send(text)) == "".join(session.send(text))  # token for token
         assert reopened.ledger.vocab_ids == session.ledger.vocab_ids

@@ -476,6 +476,20 @@ def test_a_pin_refusal_says_what_would_make_room(tiny_chat):
     assert session.cache.pins == saved[0]
 
 
+def test_a_pin_must_fit_the_smallest_layer_of_a_pyramid(tiny_chat):
+    # a pinned token takes a slot in every layer: the top one (19 of the stated 40) has 1 to spare
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=16, budget_shape="pyramid"),
+                          temperature=0, max_new_tokens=4)
+    chat(session, ["Short one."])
+    assert session.cache.limits.layers == (61, 19)
+    with pytest.raises(ValueError) as refused:
+        session.pin(0)
+    assert str(refused.value) == ("this message is 10 tokens; 16 recent + 2 sinks + 0 pinned leave 1 free of 19 "
+                                  "(the smallest layer's budget): raise the budget or lower the recent window")
+    assert session.cache.pins == [] and not session.messages[0].pinned
+
+
 def test_pins_are_in_place_before_their_tokens_are_fed(tiny_chat, tmp_path, monkeypatch):
     # the tiny model's version: the pin is read off the cache while the replay feeds each chunk
     model, tok = tiny_chat
