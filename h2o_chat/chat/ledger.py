@@ -112,7 +112,7 @@ class Ledger:
         n_recent = lim.n_recent if lim and lim.budget is not None else 0
         # "heavy" means kept for its score while others were evicted: before the first eviction,
         # or under a policy that does not score, a token outside the recent window is just "kept"
-        evicting = bool(slots) and cache.get_seq_length() > cache.slots_used(min(slots))
+        evicting = any(cache.get_seq_length() > cache.slots_used(i) for i in slots)  # some layer (budgets may differ)
         heavy = "heavy" if cache.config.policy == "h2o" and evicting else "kept"
         pinned = set().union(*(range(s, e) for s, e in cache.pins))
         status = []
