@@ -85,10 +85,14 @@ def check_against_reference(model, policy, score, positions, batch, budget_shape
                        score=score, positions=positions, prefill_chunk=5)
     prompt = torch.randint(0, 128, (batch, 23), generator=torch.Generator().manual_seed(2))
 
+    # memory: the stated total, 2 layers x 12 slots, each [batch, kv_heads, head_dim] keys and values
+    per_slot = 2 * batch * kv_heads * cache.head_dim * torch.finfo(model.dtype).bits // 8
+
     def check(logits, ref_logits):
         # float64 throughout except RoPE angles, which transformers computes in float32
         # (re-rotating a kept key composes two such rotations: float32-level differences)
         torch.testing.assert_close(logits, ref_logits, atol=1e-6, rtol=1e-6)
+        assert policy == "full" or cache.kv_bytes() <= 2 * 12 * per_slot
         for layer in range(2):
             ids, scores = cache.token_ids(layer), cache.scores(layer)
             for b in range(batch):
@@ -105,9 +109,7 @@ def check_against_reference(model, policy, score, positions, batch, budget_shape
     run_both(model, cache, ref, prompt, 40, check)
     if policy != "full":
         assert [layer.n_slots for layer in cache.layers] == budgets
-        # memory: the stated total, 2 layers x 12 slots, each [batch, kv_heads, head_dim] keys and values
-        per_slot = 2 * batch * kv_heads * cache.head_dim * cache.layers[0].kv.element_size()
-        assert cache.kv_bytes() == 2 * 12 * per_slot
+        assert cache.kv_bytes() == 2 * 12 * per_slot  # every layer full: exactly the stated total
 
 
 def test_pinned_tokens_match_reference_and_stay(tiny_llama64):
