@@ -17,7 +17,8 @@ POLICIES = ("full", "window", "sink", "h2o")
 SCORES = ("sum", "mean", "decay")
 POSITIONS = ("absolute", "rolling")
 BUDGET_SHAPES = ("uniform", "pyramid")
-# PyramidKV's beta: the top layer keeps 1/beta of the average layer's heavy slots (their default, 20)
+# PyramidKV's beta: the top layer keeps 1/beta of the average layer's heavy slots (their default, 20;
+# at least 1, so the top layer is the smallest and every layer keeps a heavy slot)
 PYRAMID_BETA = 20
 
 
