@@ -7,7 +7,8 @@ Per layer it holds, for each batch row and KV head, `slots` cached tokens:
     queries        [batch, kv_heads, slots]  how many queries could see the token ("mean" score)
     positions      [batch, kv_heads, slots]  RoPE position the key is rotated to now
 Heads evict independently, so each head holds different tokens but the same number of them and
-the tensors stay dense. Slot order means nothing to attention; `token_ids` says who is where.
+the tensors stay dense. Layers may have budgets of their own (CacheConfig.budget_shape): each is
+handed its own `Budget` (`limits.layer(i)`), the total stays layers x budget. Slot order means nothing to attention; `token_ids` says who is where.
 They live in three packed buffers per layer (see step.py).
 
 One owner per piece of state: an `H2OLayer` owns its buffers, and every change to its slots is a
