@@ -170,6 +170,11 @@ class CacheConfig:
     prefill_chunk : int, default 256
         A long input is attended in chunks of this many tokens, evicting after each, so scoring
         never builds a `[heads, n, n]` matrix for the whole prompt.
+    keep_template : bool, default False
+        Never evict the chat template's control tokens (role markers, turn ends) of any turn: the
+        chat layer pins them (chat/template.py's `template_ranges`); they count against the budget
+        as pins do, so a long chat's grow until the budget has no room and a turn is refused.
+        Off by default: measured on dialogue, it did not help (docs/story-fidelity.md).
 
     Raises
     ------
@@ -191,9 +196,14 @@ class CacheConfig:
     positions: str = setting("rolling", "rolling re-lays kept keys so a chat outlives the model's context; absolute "
                              "keeps them where written", label="Positions", choices=POSITIONS)
     prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
+    keep_template: bool = setting(False, "never evict the chat template's control tokens (role markers, turn ends) of "
+                                  "any turn; they count against the budget, as pins do", label="Keep template tokens")
 
     def __post_init__(self):
         check_fields(self)
+        if not isinstance(self.keep_template, bool):
+            raise SettingError("keep_template", f"must be true or false, got {self.keep_template!r}",
+                               "keep template tokens")
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise SettingError("budget", f"must be a number of slots or a fraction in (0, 1), got {b!r}")
@@ -260,4 +270,4 @@ class Budget:
 
 # The settings a user of the app changes (its flags, the page's Cache fields, the API's "h2o" object);
 # decay and prefill_chunk stay the library's.
-APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions")
+APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions", "keep_template")
