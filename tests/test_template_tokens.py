@@ -1,6 +1,8 @@
 """keep_template: the chat template's control tokens (role markers, turn ends) pinned, never evicted,
 counted against the budget; refused in words when the budget has no room for them."""
 
+import json
+
 import pytest
 
 from h2o_chat import ChatSession
@@ -88,3 +90,23 @@ def test_keep_template_is_one_setting_for_the_command_line_the_api_and_the_page(
     field = next(f for f in CacheConfig.__dataclass_fields__.values() if f.name == "keep_template")
     box = ui_settings.field_for(field, True)
     assert type(box).__name__ == "Checkbox" and box.label == "Keep template tokens" and box.value is True
+
+
+@pytest.mark.slow
+def test_template_ppl_runs_a_story_file_and_scores_every_cache_on_the_same_chats(tmp_path):
+    from h2o_chat.bench import evaluate
+    from tests.live import save_tiny_chat
+
+    folder = save_tiny_chat(tmp_path / "tiny")
+    rows = [{"seed": seed, "policy": "full", "turn": turn, "text": f"Reply {turn} of story {seed}, a few words long."}
+            for seed in (0, 1) for turn in (1, 2, 3)]
+    (tmp_path / "story_turns.json").write_text(json.dumps({"rows": rows}))
+    evaluate.main(["--model", str(folder), "--out", str(tmp_path), "template-ppl", "--stories",
+                   str(tmp_path / "story_turns.json"), "--budgets", "0.1,0.5", "--chunk", "4", "--feed", "64"])
+    table = json.loads((tmp_path / "template_ppl.json").read_text())["rows"]
+    assert [(r["cache"], r["budget"]) for r in table] == [(c, b) for b in ("10%", "50%")
+                                                         for c in ("full", "h2o", "h2o + template")]
+    small, half = table[:3], table[3:]
+    assert {r["chats"] for r in small} == {"0/2"} and {r["ppl"] for r in small} == {""}  # no room: none is run
+    assert {r["chats"] for r in half} == {"2/2"} and len({r["tokens"] for r in half}) == 1  # the same chats
+    assert all(r["ppl"] > 1 and r["ppl_replies"] > 1 for r in half) and half[2]["template_tokens"] > 0

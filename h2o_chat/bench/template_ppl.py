@@ -8,8 +8,9 @@ is streamed through each cache (the cache evicting every --chunk tokens, as `eva
 at budgets that are fractions of that chat's length: full; h2o; h2o with the template's control
 tokens pinned (template_ranges: "<|im_end|>", "\\n", "<|im_start|>", "assistant", "\\n" of every
 turn), counted against the budget. Perplexity over every token, and over the replies' words only
-(the text a story writer reads). A budget whose recent window and sinks leave no room for the
-template's tokens is refused, as a pin is; the row says so.
+(the text a story writer reads). A chat whose budget leaves no room for the template's tokens
+beside the sinks and the recent window is refused, as a pin is: each budget runs every cache on
+the chats that fit it, and its rows count them ("chats": 7/10).
 """
 
 import json
