@@ -994,3 +994,14 @@ def test_the_page_fits_at_390_px(browser, short_app, tmp_path):
         shot(page, "page-390", tmp_path, full_page=True)
     finally:
         context.close()
+
+
+
+def test_keep_template_ticked_on_the_page_is_what_the_chat_runs_with(page):
+    page.get_by_text("Cache (changing it replays the chat)").click()
+    page.locator("#keep-template input").check()
+    page.locator("#apply-cache").click()
+    # the confirmation reads the chat's own cache settings back (settings.applied_cache)
+    page.wait_for_function("() => document.body.innerText.includes('rolling positions, template tokens kept.')",
+                           timeout=WAIT_MS)
+    assert page.locator("#keep-template input").is_checked()

@@ -18,7 +18,8 @@
     concurrent  1, 2, 4, 8 chats at once through the API (decoded in one batch) against the
              same chats one at a time: aggregate and per-chat tokens/s, TTFT
     story    a 36-turn role-play story through /v1 as SillyTavern sends it (default samplers),
-             the app's cache against the full one: prompt reuse per turn, TTFT, degenerate replies
+             the app's cache against the full one (and sink): prompt reuse per turn, TTFT,
+             degenerate replies and stories with their 95% intervals
     reopen   stories of 2,000 / 10,000 / 35,000 tokens reopened from their saved cache (fresh
              processes) against replayed; disk and write time per reply; Open WebUI's older branch
              resent through /v1, with saved caches and without
@@ -67,6 +68,20 @@ def int_list(text):
 
 def name_list(text):
     return text.split(",")
+
+
+def seed_list(text):
+    """"0,1,2" or a range "0-19" (both ends in)."""
+    first, dash, last = text.partition("-")
+    return list(range(int(first), int(last) + 1)) if dash and first else int_list(text)
+
+
+def arm_list(text):
+    arms = name_list(text)
+    unknown = [a for a in arms if a not in story.ARMS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown arm {unknown[0]!r}; the arms are {', '.join(story.ARMS)}")
+    return arms
 
 
 def cache_flag(parser, name, *flags, sweep=None, **kwargs):
@@ -265,9 +280,10 @@ def main(argv=None):
     p = sub.add_parser("story", parents=[shared], help="a SillyTavern-shaped story through /v1: reuse, TTFT, "
                                                          "degenerate replies")
     p.add_argument("--turns", type=int, default=36)
-    p.add_argument("--seeds", type=int_list, default=[0, 1, 2])
-    p.add_argument("--policies", type=name_list, default=["h2o", "full"],
-                   help="h2o: the app's cache (its flags); full: the same requests with h2o.policy full")
+    p.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="one story per seed and arm: 0,1,2 or 0-19")
+    p.add_argument("--policies", type=arm_list, default=["h2o", "full"],
+                   help="the arms: h2o, the app's cache (its flags); full, the same requests with h2o.policy full; "
+                        "sink, with h2o.policy sink (StreamingLLM) at the same budget")
     p.add_argument("--max-tokens", type=int, default=300, help="SillyTavern's default reply length")
     p.add_argument("--threads", type=int, default=2, help="OMP threads of the server")
     p.add_argument("--h2o-args", default="", help="more app.py flags, e.g. '--budget 512 --dtype float32'")

@@ -18,7 +18,7 @@ options and helpers are cli.py's).
 
 import sys
 
-from . import compress, ppl, summarize
+from . import compress, ppl, summarize, template_ppl
 from .cli import add_quick, apply_quick, base_parser, cache_flag, name_list, quantization_flag
 from .common import SHAKESPEARE
 from .peers import kvpress
@@ -87,6 +87,19 @@ def main(argv=None):
     p.add_argument("--kvpress-python", default=None, help=f"python of the kvpress venv (or ${kvpress.ENV_VAR})")
     add_quick(p, context=384, continuation=64)  # seconds on the tiny test model, about a minute on the embedded one
     p.set_defaults(run=compress.run)
+
+    p = sub.add_parser("template-ppl", parents=[shared], help="streaming ppl of a story run's chats, h2o with the "
+                                                              "chat template's tokens kept (keep_template) and without")
+    p.add_argument("--stories", required=True, help="story_turns.json of a `bench story` run")
+    p.add_argument("--arm", default="full", help="whose replies make the chats (full: written with nothing evicted)")
+    p.add_argument("--chats", type=int, default=None, help="only the first N stories")
+    p.add_argument("--budgets", type=numbers, default=[0.1, 0.2], help="fractions of each chat's tokens")
+    p.add_argument("--n-recent", type=lambda s: numbers(s)[0], default=None,
+                   help="the recent window as a fraction of the budget (default auto: half of what the sinks leave)")
+    cache_flag(p, "prefill_chunk", "--chunk", default=16, note="the caches evict every this many tokens")
+    p.add_argument("--feed", type=int, default=512, help="tokens per model call (the figures do not depend on it)")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(run=template_ppl.run)
 
     args = parser.parse_args(argv)
     apply_quick(args, argv)

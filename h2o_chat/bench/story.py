@@ -4,9 +4,10 @@ SillyTavern's Chat Completion (source "Custom (OpenAI-compatible)") resends the 
 turn: its main prompt, the character card and "[Start a new Chat]" as leading system messages, the
 character's greeting as the first assistant message, then every turn so far; with its default
 samplers (temperature 1, top_p 1, frequency and presence penalties 0, an empty logit_bias, 300 new
-tokens, streamed). One app serves every arm: each seed's story runs once with the app's cache
-(`h2o`, budget from the flags) and once with `"h2o": {"policy": "full"}`, on the same requests
-(the same user turns, the seed of turn t is seed * 1000 + t; each arm resends its own replies).
+tokens, streamed). One app serves every arm: each seed's story runs once per arm, on the same
+requests (the same user turns, the seed of turn t is seed * 1000 + t; each arm resends its own
+replies). An arm is the request's `"h2o"` object (ARMS): `h2o` the app's cache (budget from the
+flags), `full` never evicts, `sink` StreamingLLM's sinks + newest tokens at the same budget.
 
 Per turn and arm: prompt tokens, cached tokens (what the server did not recompute: from turn 2 on,
 a server that reuses the previous reply has nearly all of the prompt cached), whether the previous
@@ -16,6 +17,7 @@ end-of-turn and the new message), TTFT, the reply's tokens, and whether it is de
 """
 
 import json
+import math
 import re
 import statistics
 import threading
@@ -23,6 +25,7 @@ import time
 import zlib
 from pathlib import Path
 
+from ..cache.config import CacheConfig
 from .common import REPO, api_client, app_server, served_model, wait_healthy, write_results
 
 CHARACTER = "Mira"
@@ -79,6 +82,8 @@ TURNS = [
 # SillyTavern's default Chat Completion samplers (its default preset), and its default reply length
 ST_SAMPLERS = {"temperature": 1, "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
 ST_MAX_TOKENS = 300
+ARMS = {"h2o": {}, "full": {"policy": "full"}, "sink": {"policy": "sink"},  # arm -> the request's "h2o" object
+        "template": {"keep_template": True}}  # h2o with the chat template's tokens never evicted
 REUSE_SLACK = 2  # tokens a reused reply may still cost (a stop-string cut inside a token is re-tokenized)
 
 HYPHEN_RUN = re.compile(r"(?:\b[A-Za-z]{1,5}-){4,}[A-Za-z]{1,5}\b")  # "Ere-ry-Mer-Euse-A-Ar": the failure seen
@@ -109,7 +114,7 @@ def st_messages(replies, turn):
 def run_story(client, model, seed, policy, turns, max_tokens, samplers=ST_SAMPLERS):
     """One story: a row per turn."""
     replies, rows = [], []
-    extra = {"h2o": {"policy": "full"}} if policy == "full" else {}
+    extra = {"h2o": ARMS[policy]} if ARMS[policy] else {}
     for turn in range(turns):
         start, first, pieces, usage = time.perf_counter(), None, [], None
         stream = client.chat.completions.create(
@@ -139,15 +144,43 @@ def run_story(client, model, seed, policy, turns, max_tokens, samplers=ST_SAMPLE
     return rows
 
 
-def summary(rows, policies, seeds):
+def wilson(k, n, z=1.96):
+    """The Wilson score interval of a proportion: k successes in n trials -> (low, high), at 95% for
+    z = 1.96. Unlike k/n +- z*se it stays inside [0, 1] and is not empty at k = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def rate(k, n):
+    """"k/n = 12.5% [5.1, 27.0]": a count, its rate and its 95% Wilson interval, in percent."""
+    low, high = wilson(k, n)
+    return f"{k}/{n} = {100 * k / n:.1f}% [{100 * low:.1f}, {100 * high:.1f}]" if n else "0/0"
+
+
+def degeneration(rows):
+    """(degenerate replies, replies, stories with a degenerate reply, stories) of one arm's rows."""
+    stories = {}
+    for r in rows:
+        stories[r["seed"]] = stories.get(r["seed"], False) or r["degenerate"]
+    return sum(r["degenerate"] for r in rows), len(rows), sum(stories.values()), len(stories)
+
+
+def summary(rows, policies, seeds, budget=None):
     """Per arm, from turn 2: turns that reused the previous reply, turns with >= 95% of the prompt
     cached, the median and worst cached share; median TTFT of the first and last five turns;
-    degenerate replies."""
+    turns whose prompt was over `budget` (evicting, for a bounded arm); degenerate replies, and
+    stories with at least one, each with its 95% interval. Replies of one story are not
+    independent (a broken reply is resent and followed): the story count is the one to judge by."""
     out = []
     for policy in policies:
         arm = [r for r in rows if r["policy"] == policy and r["seed"] in seeds]
         later = [r for r in arm if r["turn"] >= 2]
         n = max((r["turn"] for r in arm), default=0)
+        replies_bad, replies, stories_bad, stories = degeneration(arm)
         out.append({"policy": policy, "turns": len(arm),
                     "reply_reused": f"{sum(r['reply_reused'] for r in later)}/{len(later)}",
                     "cached_95": f"{sum(r['cached_share'] >= 0.95 for r in later)}/{len(later)}",
@@ -155,8 +188,19 @@ def summary(rows, policies, seeds):
                     "worst_cached": round(min(r["cached_share"] for r in later), 3) if later else "",
                     "ttft_first5_s": round(statistics.median(r["ttft_s"] for r in arm if r["turn"] <= 5), 3),
                     "ttft_last5_s": round(statistics.median(r["ttft_s"] for r in arm if r["turn"] > n - 5), 3),
-                    "degenerate": f"{sum(r['degenerate'] for r in arm)}/{len(arm)}"})
+                    "over_budget": "" if budget is None else f"{sum(r['prompt_tokens'] > budget for r in arm)}/{len(arm)}",
+                    "degenerate": rate(replies_bad, replies), "stories_degenerate": rate(stories_bad, stories)})
     return out
+
+
+def budget_of(h2o_args):
+    """The app's budget in slots as these flags set it (CacheConfig's default without --budget);
+    None for a fraction (resolved per prompt)."""
+    words = h2o_args.split()
+    given = [w.split("=", 1)[1] for w in words if w.startswith("--budget=")] + \
+        [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--budget"]
+    budget = float(given[-1]) if given else CacheConfig.budget
+    return int(budget) if budget >= 1 else None
 
 
 def run(args):
@@ -198,7 +242,7 @@ def run(args):
             row[f"{policy} ttft_s"] = round(statistics.median(r["ttft_s"] for r in at), 3)
             row[f"{policy} degenerate"] = sum(r["degenerate"] for r in at)
         per_turn.append(row)
-    write_results(out, "story", summary(rows, args.policies, args.seeds),
+    write_results(out, "story", summary(rows, args.policies, args.seeds, budget_of(args.h2o_args)),
                   ["policy", "turns", "reply_reused", "cached_95", "median_cached", "worst_cached", "ttft_first5_s",
-                   "ttft_last5_s", "degenerate"], meta)
+                   "ttft_last5_s", "over_budget", "degenerate", "stories_degenerate"], meta)
     write_results(out, "story_per_turn", per_turn, list(per_turn[0]), meta)

@@ -181,6 +181,11 @@ class CacheConfig:
         budget in every layer; `pyramid` (PyramidKV), every layer keeps the sinks and the recent
         window, and the heavy-hitter slots fall linearly from the bottom layer to the top one
         (`layer_budgets`), the total unchanged.
+    keep_template : bool, default False
+        Never evict the chat template's control tokens (role markers, turn ends) of any turn: the
+        chat layer pins them (chat/template.py's `template_ranges`); they count against the budget
+        as pins do, so a long chat's grow until the budget has no room and a turn is refused.
+        Off by default: measured on dialogue, it did not help (docs/story-fidelity.md).
 
     Raises
     ------
@@ -205,9 +210,14 @@ class CacheConfig:
     budget_shape: str = setting("uniform", "uniform: the budget in every layer; pyramid: more heavy-hitter slots in "
                                 "lower layers, fewer in upper ones, the same total (PyramidKV)", label="Budget shape",
                                 choices=BUDGET_SHAPES)
+    keep_template: bool = setting(False, "never evict the chat template's control tokens (role markers, turn ends) of "
+                                  "any turn; they count against the budget, as pins do", label="Keep template tokens")
 
     def __post_init__(self):
         check_fields(self)
+        if not isinstance(self.keep_template, bool):
+            raise SettingError("keep_template", f"must be true or false, got {self.keep_template!r}",
+                               "keep template tokens")
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise SettingError("budget", f"must be a number of slots or a fraction in (0, 1), got {b!r}")
@@ -332,4 +342,4 @@ class Budget:
 
 # The settings a user of the app changes (its flags, the page's Cache fields, the API's "h2o" object);
 # decay and prefill_chunk stay the library's.
-APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions")
+APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions", "keep_template")

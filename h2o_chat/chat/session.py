@@ -46,7 +46,7 @@ from .conversation import CHOICES, Conversation, Message, Settings, cache_config
 from .limits import Limits
 from .reply import Reply
 from .sampler import Sampler, stop_token_ids
-from .template import MAX_REPLIES, SYSTEM, KnownTokens, render, turn_ranges
+from .template import MAX_REPLIES, SYSTEM, KnownTokens, render, template_ranges, turn_ranges
 from .timeline import GenerationError, Timeline  # noqa: F401  (GenerationError: part of this module's API)
 
 MAX_MESSAGE_CHARS = 100_000  # a paste beyond this is refused: prefill alone would take minutes on CPU
@@ -687,13 +687,20 @@ class ChatSession:
     def _pins(self, segments, leave_out=None):
         turns = {i for i, m in enumerate(self.messages) if m.pinned} | ({SYSTEM} if self.settings.system_prompt_pinned
                                                                         else set())
-        return turn_ranges(segments, turns - {leave_out})
+        ranges = turn_ranges(segments, turns - {leave_out})
+        return ranges + template_ranges(self.tokenizer, segments) if self.cache_config.keep_template else ranges
 
     def _sync(self, add_generation_prompt=False, open_reply=True, should_stop=None):
         """Make the cache hold the rendered conversation; False when should_stop() ended it early."""
         segments = self._segments(add_generation_prompt, open_reply and not add_generation_prompt)
         try:
             complete = self.timeline.sync(segments, self._pins(segments), self.on_progress, should_stop)
+        except PinRefused as e:
+            if not self.cache_config.keep_template:
+                raise
+            kept = pinned_slots(template_ranges(self.tokenizer, segments), e.limits.n_sink)
+            raise ValueError(f"{e}; {kept} of the {e.pinned} are the chat template's tokens, which keep template "
+                             "tokens never evicts: or turn that off") from None
         finally:
             if self.saved is not None:
                 self.notices += self.saved.take_notices()  # a saved cache that could not be used, and why

@@ -5,6 +5,7 @@
       -> [Segment(ids, role, turn, text)]   turn: index into messages, -1 for the system prompt;
                                             text: the message's own words (not the template's)
     turn_ranges(segments, turns) -> [(start, end)]   what a pin of those messages covers
+    template_ranges(tokenizer, segments) -> [(start, end)]   the template's control tokens (keep_template)
 
 Message texts are tokenized on their own with special tokens split, so a user typing
 "<|im_end|>" gets plain text, never a control token; the template's own text is tokenized
@@ -220,6 +221,27 @@ def turn_ranges(segments, turns):
     if SYSTEM in turns and first_words:
         ranges[SYSTEM] = (0, first_words)
     return [ranges[t] for t in sorted(ranges)]
+
+
+def template_ranges(tokenizer, segments):
+    """Absolute [start, end) of the chat template's control tokens in `segments`, merged where they
+    touch: in the template's own segments (never a message's words), each special token with the
+    rest of its line (SmolLM2's "<|im_end|>", "\n", "<|im_start|>", "user", "\n"). A default system
+    prompt the template writes is text between them, not control: it is left out."""
+    special, ranges, pos = set(tokenizer.all_special_ids), [], 0
+    for s in segments:
+        in_line = False  # inside a special token's line: from it to the first newline
+        for i, token in enumerate(s.ids):
+            if not s.text and token in special:
+                in_line = True
+            if in_line:
+                if ranges and ranges[-1][1] == pos + i:
+                    ranges[-1] = (ranges[-1][0], pos + i + 1)
+                else:
+                    ranges.append((pos + i, pos + i + 1))
+                in_line = token in special or "\n" not in tokenizer.decode([token])
+        pos += len(s.ids)
+    return ranges
 
 
 MAX_REPLIES = 1024  # replies a session remembers the tokens of (its whole conversation, in practice)

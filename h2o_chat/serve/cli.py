@@ -28,8 +28,12 @@ def add_setting_flag(parser, setting, *flags, note=None, **overrides):
     note: more help after the declared one; `overrides`: argparse keywords where a command differs
     on purpose (the caller says why)."""
     meta = setting.metadata
-    kwargs = {"choices": meta["choices"]} if meta["choices"] else {"type": type(setting.default) if setting.default
-                                                                    is not None else int}
+    if isinstance(setting.default, bool):  # --keep-template / --no-keep-template
+        kwargs = {"action": argparse.BooleanOptionalAction}
+    elif meta["choices"]:
+        kwargs = {"choices": meta["choices"]}
+    else:
+        kwargs = {"type": type(setting.default) if setting.default is not None else int}
     kwargs = {"default": setting.default, **kwargs, **overrides}
     kwargs["help"] = meta["help"] + (f"; {note}" if note else "") + " (default: %(default)s)"
     parser.add_argument(*(flags or [f"--{setting.name.replace('_', '-')}"]), **kwargs)

@@ -59,6 +59,8 @@ def field_for(setting, value=None):
     (SLIDERS) or a number box, labelled and explained by its declaration."""
     meta, elem_id = setting.metadata, setting.name.replace("_", "-")
     common = dict(label=meta["label"], info=meta["help"], elem_id=elem_id)
+    if isinstance(setting.default, bool):
+        return gr.Checkbox(value=value, **common)
     if meta["choices"]:
         return gr.Dropdown(list(meta["choices"]), value=value, **common)
     if setting.name in SLIDERS:
@@ -143,7 +145,7 @@ def applied_cache(session):
     c, stats = session.cache_config, session.stats
     recent = c.n_recent if c.n_recent is not None else "auto (half the rest)" if c.policy == "h2o" else "auto (the rest)"
     return (f"Cache applied: {c.policy}, budget {c.budget}, recent window {recent}, {c.n_sink} sinks, score {c.score}, "
-            f"{c.positions} positions" + (f"; the chat was replayed ({stats['tokens_seen']:,} tokens)."
+            f"{c.positions} positions" + (", template tokens kept" if c.keep_template else "") + (f"; the chat was replayed ({stats['tokens_seen']:,} tokens)."
                                           if stats["tokens_seen"] else "."))
 
 
