@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 POLICIES = ("full", "window", "sink", "h2o")
 SCORES = ("sum", "mean", "decay")
 POSITIONS = ("absolute", "rolling")
+KV_QUANTS = ("none", "int8")
 
 
 def setting(default, help, label=None, choices=None, low=None, high=None, low_open=False, integer=False):
@@ -170,6 +171,10 @@ class CacheConfig:
     prefill_chunk : int, default 256
         A long input is attended in chunks of this many tokens, evicting after each, so scoring
         never builds a `[heads, n, n]` matrix for the whole prompt.
+    kv_quant : {"none", "int8"}, default "none"
+        How keys and values are stored: at the model's width, or as int8 with one float32 scale
+        per token and head (symmetric absmax), about half a bf16 cache's bytes for the same slots.
+        Attention reads int8 slots widened to the model's width, one layer at a time.
 
     Raises
     ------
@@ -191,6 +196,9 @@ class CacheConfig:
     positions: str = setting("rolling", "rolling re-lays kept keys so a chat outlives the model's context; absolute "
                              "keeps them where written", label="Positions", choices=POSITIONS)
     prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
+    kv_quant: str = setting("none", "store keys and values as int8 with a scale per token and head (about half "
+                            "the memory of bf16, a small error), or at the model's width (none)",
+                            label="KV storage", choices=KV_QUANTS)
 
     def __post_init__(self):
         check_fields(self)
@@ -260,4 +268,4 @@ class Budget:
 
 # The settings a user of the app changes (its flags, the page's Cache fields, the API's "h2o" object);
 # decay and prefill_chunk stay the library's.
-APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions")
+APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions", "kv_quant")
