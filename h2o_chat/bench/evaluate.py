@@ -44,6 +44,7 @@ def main(argv=None):
     cache_flag(p, "n_recent", sweep=numbers, note="fractions of the budget (0.25,0.5,0.75), counts, or auto "
                "(None); the heavy hitters get the rest; a list sweeps it")
     cache_flag(p, "positions", sweep=name_list, note="rolling, absolute or both")
+    cache_flag(p, "kv_quant", sweep=name_list, note="none, int8 or both (none,int8): each a run")
     # 16, not the library's 256: the caches here stream the text and should evict almost token by
     # token, as in the paper; 256 is the chunk that makes one long prompt's prefill fast
     cache_flag(p, "prefill_chunk", "--chunk", default=16, note="the caches evict every this many tokens")

@@ -33,23 +33,20 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
 from .config import Budget, CacheConfig
+from .kv_int8 import KEY_SCALE, KEY_ZERO, SCALES, ZEROS, WideScratch, dequantize, quantize
 from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
 from .step import (
     IDS,
     INT_OF,
     KEY,
-    KEY_SCALE,
     N_ACC,
     N_META,
     POS,
     QUERIES,
     SCORE,
     DecodeStep,
-    WideScratch,
     acc_rows,
     attend_and_replace,
-    dequantize,
-    quantize,
     score_dtype,
 )
 
@@ -199,11 +196,10 @@ class H2OLayer(CacheLayerMixin):
     def widened(self, dtype):
         """(keys, values) [batch, kv_heads, slots, head_dim] in `dtype`: copies of the live slots, int8
         ones widened with their scales (what attention reads), for code that wants plain tensors."""
-        keys, values = self.keys, self.values
+        n = self.n_slots
         if self.kv.dtype == torch.int8:
-            scales = self.acc[KEY_SCALE:, :, :, : self.n_slots]
-            return dequantize(keys, scales[0], dtype), dequantize(values, scales[1], dtype)
-        return keys.to(dtype, copy=True), values.to(dtype, copy=True)
+            return tuple(dequantize(self.kv[:, :, :, :n], self.acc[SCALES, :, :, :n], self.acc[ZEROS, :, :, :n], dtype))
+        return self.keys.to(dtype, copy=True), self.values.to(dtype, copy=True)
 
     def snapshot(self):
         buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone())
@@ -343,7 +339,7 @@ class H2OLayer(CacheLayerMixin):
             meta = torch.cat((self.meta[..., : self.n_slots], self._new_meta(b, h, n, limits.n_sink, pins)), dim=3)
             acc = torch.cat((self.acc[..., : self.n_slots], new_acc), dim=3)
         self.n_seen += n
-        read = kv if kv.dtype != torch.int8 else dequantize(kv, acc[KEY_SCALE:], query.dtype)
+        read = kv if kv.dtype != torch.int8 else dequantize(kv, acc[SCALES], acc[ZEROS], query.dtype)
         out, probs = scoring.grouped_attention(query, read[0], read[1], scaling)
         scoring.add_mass(acc[SCORE], acc[QUERIES], probs, self.config.score, self.config.decay)
         evicted = budget is not None and total > budget
@@ -366,7 +362,7 @@ class H2OLayer(CacheLayerMixin):
         """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a layer holding
         `budget` slots. Returns [batch, 1, q_heads, head_dim]."""
         if self.step is None:
-            wide = self.wide.for_slots(self.kv, query.dtype)
+            wide = self.wide.for_slots(self.kv, self.acc.dtype)
             self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling, wide)
         every_row = slice(None)
         self.step.write_spare(keys, values, self.n_seen, [every_row] if never_evicted(self.n_seen, limits.n_sink, pins) else ())
@@ -407,22 +403,23 @@ class H2OLayer(CacheLayerMixin):
         target = self.n_seen - self.n_slots + rank
         if self.kv.dtype != torch.int8:
             rotate_keys(self.keys, target - self.positions, self.inv_freq)
-        else:  # int8 keys: widened, rotated, quantized again with new scales (one rounding per re-lay)
-            key_scales = self.acc[KEY_SCALE, :, :, : self.n_slots]
-            keys = dequantize(self.keys, key_scales, key_scales.dtype)
+        else:  # int8 keys: widened, rotated, quantized again (one more rounding per re-lay)
+            n, acc = self.n_slots, self.acc
+            keys = dequantize(self.keys, acc[KEY_SCALE, :, :, :n], acc[KEY_ZERO, :, :, :n], acc.dtype)
             rotate_keys(keys, target - self.positions, self.inv_freq)
-            self.keys[:], key_scales[:] = quantize(keys, key_scales.dtype)
+            self.keys[:], acc[KEY_SCALE, :, :, :n], acc[KEY_ZERO, :, :, :n] = quantize(keys, acc.dtype)
         self.positions.copy_(target)
         self.roll_floor = self.n_seen - self.n_slots
 
     def _new_slots(self, keys, values):
         """New keys, values [b, h, n, head_dim] as slots hold them: kv [2, b, h, n, head_dim] (int8
-        for int8 slots) and acc [acc_rows, b, h, n] (score and queries zero, then the scales)."""
+        for int8 slots) and acc [acc_rows, b, h, n] (score and queries zero, then the scales and
+        zero points)."""
         kv, acc_dtype = torch.stack((keys, values)), score_dtype(keys.dtype)
         if self.config.kv_quant == "none":
             return kv, kv.new_zeros(N_ACC, *kv.shape[1:4], dtype=acc_dtype)
-        kv, scales = quantize(kv, acc_dtype)
-        return kv, torch.cat((scales.new_zeros(N_ACC, *scales.shape[1:]), scales))
+        codes, scales, zeros = quantize(kv, acc_dtype)
+        return codes, torch.cat((scales.new_zeros(N_ACC, *scales.shape[1:]), scales, zeros))
 
     def _new_meta(self, b, h, n, n_sink, pins):
         """[N_META, b, h, n]: the meta of the next n tokens."""
@@ -532,14 +529,15 @@ class H2OCache(Cache):
         return None if pos is None else pos.long()
 
     def kv_bytes(self):
-        """Bytes of keys and values held now (live slots only; int8 slots with their scales). The
+        """Bytes of keys and values held now (live slots only; int8 slots with their scales and zero
+        points). The
         scratch int8 slots are widened into for attention (one layer's, `WideScratch`) is not counted."""
         total = 0
         for layer in self.layers:
             if layer.kv is not None:
                 total += 2 * layer.keys.nelement() * layer.keys.element_size()
-                if layer.kv.dtype == torch.int8:
-                    total += 2 * layer.scores.nelement() * layer.acc.element_size()
+                if layer.kv.dtype == torch.int8:  # a scale and a zero point for each key and value
+                    total += 4 * layer.scores.nelement() * layer.acc.element_size()
         return total
 
     @property

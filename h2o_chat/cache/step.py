@@ -1,43 +1,25 @@
 """A layer's slots in memory, and the decode step over them: the hot path, once per token per layer.
 
 Three packed buffers per layer, so the fields that move together move in one copy:
-    kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype
+    kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype (or int8)
     meta  [N_META, batch, kv_heads, capacity]       integers (int32; int64 for a float64 model):
           token id, RoPE position, protection key (see policy.protection_key)
     acc   [N_ACC, batch, kv_heads, capacity]        the score dtype (float32; float64): the
-          attention mass each slot received and the queries that could see it; for int8 slots
-          (CacheConfig.kv_quant) two more rows, the key's and the value's scale
-Keys and values are stored at the model's width, or as int8 with one scale per token and head
-(symmetric absmax: `quantize`). The scales live in acc so that every move of a slot (a
-replacement, an eviction's gather, a batch row, a saved state) moves them too, with no code of
-their own. Attention reads int8 slots widened into one shared scratch (`WideScratch`), the
-key scales applied to the logits and the value scales to the probabilities.
-Each is a tensor of its own dtype, never a view of another's memory in a second dtype, so a
-compiler can read them (inductor refuses a mutated input viewed as two dtypes). A saved state
-packs meta and acc into one integer tensor as the file format has always held them
-(h2o.pack_meta, h2o.unpack_meta).
-
-Once a bounded layer holds `budget` slots, its buffers have budget + 1: the last is the spare. A
-decode step writes the new token into the spare (`DecodeStep.write_spare`), attends over every
-slot, adds the mass to the scores, picks one victim per row and head and moves the spare into it
-("cache replace", FlexGen's H2O): `attend_and_replace`, about twenty batched ops into the views
-and scratch buffers of a `DecodeStep`, made once. No allocation, no host sync.
-
-One conversation is batch row 0 of its own buffers (H2OLayer); several conversations stacked as
-rows of shared ones (chat/batch.py) run the same step, with `StackedRows` saying what differs.
+          attention mass each slot received and the queries that could see it; int8 slots
+          (CacheConfig.kv_quant) add four rows: their scales and zero points (kv_int8.py)
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from . import kv_int8
 from .policy import heavy_score
 
 IDS, POS, KEY = range(3)  # rows of a layer's meta buffer
 N_META = 3
-SCORE, QUERIES, KEY_SCALE, VALUE_SCALE = range(4)  # rows of its acc buffer (the scales: int8 slots only)
-N_ACC = 2  # the rows every layer has
-INT8_MAX = 127
+SCORE, QUERIES = range(2)  # rows of its acc buffer (int8 slots add kv_int8's rows after them)
+N_ACC = 2
 INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # the meta dtype for each score dtype: same width
 
 
@@ -48,47 +30,7 @@ def score_dtype(model_dtype):
 
 def acc_rows(kv_dtype):
     """How many rows a layer's acc buffer has for slots stored in `kv_dtype`."""
-    return N_ACC + 2 if kv_dtype == torch.int8 else N_ACC
-
-
-def quantize(x, acc_dtype=torch.float32):
-    """x [..., head_dim] float -> (int8 [..., head_dim], scale [...] acc_dtype) with int8 * scale ~ x:
-    one scale per vector (a token's key or value in one head), absmax / 127, rounded to nearest.
-    A vector of representable values (integers up to 127 times a power of two) comes back exactly;
-    an all-zero one gets the smallest scale and comes back as zeros."""
-    x = x.to(acc_dtype)
-    scale = torch.linalg.vector_norm(x, float("inf"), dim=-1).div_(INT8_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
-    return (x / scale[..., None]).round_().to(torch.int8), scale
-
-
-def dequantize(q, scale, dtype):
-    """`quantize`'s output back to float: q [..., head_dim] int8, scale [...] -> [..., head_dim] dtype."""
-    return (q.to(scale.dtype) * scale[..., None]).to(dtype)
-
-
-class WideScratch:
-    """Where a decode step widens int8 slots to the model's dtype to attend over them: one buffer
-    shared by every layer of a cache (its layers run one after another), so int8 slots cost one
-    layer's keys and values at full width, not every layer's. A layer larger than the buffer gets
-    a new one (a step made earlier keeps the old: its views still hold it)."""
-
-    def __init__(self):
-        self.buffer = None
-
-    def for_slots(self, kv, dtype):
-        """[2, b*h, cap, d] in `dtype` to widen the int8 slots kv [2, b, h, cap, d] into (None for
-        slots stored at the model's width: attention reads them where they are)."""
-        if kv.dtype != torch.int8:
-            return None
-        _, b, h, cap, d = kv.shape
-        n = 2 * b * h * cap * d
-        if self.buffer is None or self.buffer.numel() < n or self.buffer.dtype != dtype or self.buffer.device != kv.device:
-            self.buffer = torch.empty(n, dtype=dtype, device=kv.device)
-        return self.buffer[:n].view(2, b * h, cap, d)
-
-    @property
-    def nbytes(self):
-        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+    return N_ACC + kv_int8.N_ROWS if kv_dtype == torch.int8 else N_ACC
 
 
 @dataclass(frozen=True)
@@ -124,11 +66,11 @@ class DecodeStep:
     spare_v: torch.Tensor
     spare_kv: torch.Tensor  # [2, b, h, 1, d]
     spare_meta: torch.Tensor  # [N_META, b, h, 1]
-    spare_acc4: torch.Tensor  # [N_ACC, b, h, 1]
+    spare_acc4: torch.Tensor  # [acc rows, b, h, 1]
     spare_ints: torch.Tensor  # [3, b, h]: the spare's id, position and protection key
     spare_key: torch.Tensor  # [b, h]
     spare_acc: torch.Tensor  # [N_ACC, b, h]: its score and query count
-    keys_t: torch.Tensor  # [b*h, d, cap] what attention reads: the slots, or int8 slots widened
+    keys_t: torch.Tensor  # [b*h, d, cap] (float slots: int8 ones are read through `int8`)
     values: torch.Tensor  # [b*h, cap, d]
     ids: torch.Tensor  # [b, h, cap]
     key: torch.Tensor  # [b, h, cap]
@@ -155,57 +97,37 @@ class DecodeStep:
     victim: torch.Tensor  # [b, h, 1] long
     stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
     stage_meta: torch.Tensor  # [N_META, b, h, 1]
-    stage_acc: torch.Tensor  # [N_ACC, b, h, 1]
+    stage_acc: torch.Tensor  # [acc rows, b, h, 1]
     stage_kv_flat: torch.Tensor  # [2, b*h, d]: views of the two above, as index_copy_ reads them
     stage_meta_flat: torch.Tensor  # [N_META, b*h]
-    stage_acc_flat: torch.Tensor  # [N_ACC, b*h]
+    stage_acc_flat: torch.Tensor  # [acc rows, b*h]
     kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
     meta_flat: torch.Tensor  # [N_META, b*h*cap]
-    acc_flat: torch.Tensor  # [N_ACC, b*h*cap]
+    acc_flat: torch.Tensor  # [acc rows, b*h*cap]
     slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
     victim_rows: torch.Tensor  # [b*h]: a view of victim
     flat_victim: torch.Tensor  # [b*h]
     out4: torch.Tensor  # [b, 1, q_heads, d]: a view of out, what attend returns
-    # int8 slots only (None otherwise)
-    stored: torch.Tensor | None  # [2, b*h, cap, d] int8: a view of kv
-    wide: torch.Tensor | None  # [2, b*h, cap, d] model dtype: the shared scratch they are widened into
-    key_scales: torch.Tensor | None  # [b*h, 1, cap] acc: views of acc's scale rows
-    value_scales: torch.Tensor | None
-    stage_new: torch.Tensor | None  # [2, b, h, 1, d] acc: the new key and value, quantized here
-    new_amax: torch.Tensor | None  # [2, b, h, 1] acc
-    spare_scales: torch.Tensor | None  # [2, b, h, 1]: views of the spare's scales, and with a last dim of 1
-    spare_scales5: torch.Tensor | None
-    int8_max: torch.Tensor | None
-    tiny: torch.Tensor | None
+    int8: kv_int8.Int8Step | None  # int8 slots: their views and scratch (None otherwise)
 
     @classmethod
     def over(cls, kv, meta, acc_buf, query, scaling, wide=None):
         """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [acc_rows, b, h, cap], query [b, q_heads, 1, d];
-        for int8 slots, wide [2, b*h, cap, d] in the query's dtype (a WideScratch's)."""
+        for int8 slots, wide [2, b*h, cap, d] in acc's dtype (a kv_int8.WideScratch's)."""
         _, b, h, cap, d = kv.shape
         group, spare = query.shape[1] // h, cap - 1
         acc, dev, low = acc_buf.dtype, kv.device, query.dtype
-        int8 = kv.dtype == torch.int8
-        read = wide if int8 else kv.view(2, b * h, cap, d)
         out, victim = query.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
         stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
         stage_acc = acc_buf.new_empty(acc_buf.shape[0], b, h, 1)
-        spare_scales = acc_buf[KEY_SCALE:, :, :, spare:] if int8 else None
         return cls(
             group=group,
             spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
             spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:], spare_acc4=acc_buf[..., spare:],
             spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
             spare_acc=acc_buf[:N_ACC, :, :, spare],
-            keys_t=read[0].transpose(1, 2), values=read[1],
-            stored=kv.view(2, b * h, cap, d) if int8 else None, wide=wide if int8 else None,
-            key_scales=acc_buf[KEY_SCALE].view(b * h, 1, cap) if int8 else None,
-            value_scales=acc_buf[VALUE_SCALE].view(b * h, 1, cap) if int8 else None,
-            stage_new=acc_buf.new_empty(2, b, h, 1, d) if int8 else None,
-            new_amax=acc_buf.new_empty(2, b, h, 1) if int8 else None,
-            spare_scales=spare_scales, spare_scales5=spare_scales[..., None] if int8 else None,
-            int8_max=torch.tensor(INT8_MAX, dtype=acc, device=dev) if int8 else None,
-            tiny=torch.tensor(torch.finfo(torch.float32).tiny, dtype=acc, device=dev) if int8 else None,
+            keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
+            int8=kv_int8.Int8Step.over(kv, acc_buf, query, wide) if kv.dtype == torch.int8 else None,
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
             ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
@@ -216,11 +138,10 @@ class DecodeStep:
             threshold=torch.zeros((), dtype=meta.dtype, device=dev),
             logits=query.new_empty(b * h, group, cap),
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
-            # the logits are copied up and the probabilities down, into buffers made here (and
-            # for int8 slots the probabilities times the value scales, in the query's dtype)
+            # the logits are copied up and the probabilities down, into buffers made here
             logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low else None,
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
-            probs_low=query.new_empty(b * h, group, cap) if acc != low or int8 else None,
+            probs_low=query.new_empty(b * h, group, cap) if acc != low else None,
             out=out, out4=out.view(b, 1, group * h, d),
             protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
@@ -241,16 +162,12 @@ class DecodeStep:
     def write_spare(self, keys, values, next_id, kept_rows=()):
         """The new tokens [b, h, 1, d] into the spare slot: id and RoPE position `next_id` (an int
         for every row, or [b] per row), protected while recent, or for good in `kept_rows`; score
-        and query count zero. int8 slots: quantized as `quantize` does, bit for bit."""
-        if self.stage_new is None:
+        and query count zero; int8 slots quantized."""
+        if self.int8 is None:
             self.spare_k.copy_(keys)
             self.spare_v.copy_(values)
         else:
-            self.stage_new[0].copy_(keys)
-            self.stage_new[1].copy_(values)
-            torch.linalg.vector_norm(self.stage_new, float("inf"), dim=-1, out=self.new_amax)
-            torch.div(self.new_amax, self.int8_max, out=self.spare_scales).clamp_min_(self.tiny)
-            self.spare_kv.copy_(self.stage_new.div_(self.spare_scales5).round_())
+            self.int8.write(keys, values)
         if isinstance(next_id, int):
             self.spare_ints.fill_(next_id)
         else:
@@ -267,21 +184,21 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     rows: None for one conversation, else what differs between stacked ones."""
     b, q_heads, _, d = query.shape
     bh = s.scores3.shape[0]
-    if s.wide is not None:
-        s.wide.copy_(s.stored)  # int8 slots widened, keys and values in one copy
-    logits = torch.bmm(query.reshape(bh, s.group, d), s.keys_t, out=s.logits)  # a view unless rows > 1 come strided
-    if s.logits_acc is not None:
-        logits = s.logits_acc.copy_(logits)
-    logits.mul_(s.scale)
-    if s.key_scales is not None:
-        logits.mul_(s.key_scales)
+    q = query.reshape(bh, s.group, d)  # a view unless rows > 1 come strided
+    if s.int8 is None:
+        logits = torch.bmm(q, s.keys_t, out=s.logits)
+        if s.logits_acc is not None:
+            logits = s.logits_acc.copy_(logits)
+        logits.mul_(s.scale)
+    else:
+        logits = s.int8.attention_logits(q, s.scale)
     if rows is not None and rows.empty is not None:
         logits.view(b, -1, s.group, logits.shape[-1]).masked_fill_(rows.empty[:, :, None], -torch.inf)
     probs = torch.softmax(logits, -1, out=s.probs)
-    if s.value_scales is not None:
-        torch.bmm(torch.mul(probs, s.value_scales, out=s.probs_low), s.values, out=s.out)
-    else:
+    if s.int8 is None:
         torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
+    else:
+        s.out.copy_(s.int8.attention_output(probs))
     # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
     weights = s.ones if rows is None else rows.weights
     if config.score == "decay":

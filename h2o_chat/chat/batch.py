@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..cache.kv_int8 import WideScratch
 from ..cache.policy import never_evicted
-from ..cache.step import N_META, DecodeStep, StackedRows, WideScratch, attend_and_replace, score_dtype
+from ..cache.step import N_META, DecodeStep, StackedRows, attend_and_replace
 from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
@@ -331,7 +332,7 @@ class Arena:
         first = self.members[0]
         layer, lim, config = first.layers[0], first.limits, first.config
         _, _, h, cap, _ = layer.kv.shape
-        n, dev, acc = len(self.members), layer.kv.device, score_dtype(layer.kv.dtype)
+        n, dev, acc = len(self.members), layer.kv.device, layer.acc.dtype
         on = torch.tensor(active, dtype=acc, device=dev)
         next_id = torch.tensor(n_seen, dtype=layer.meta.dtype, device=dev)
         n_slots = [c.layers[0].n_slots for c in self.members]
@@ -399,7 +400,7 @@ class StackedCache(Cache):
         kv, meta, acc = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n], arena.acc[layer_idx][:, :n]
         step = arena.steps[layer_idx]
         if step is None:
-            wide = arena.wide.for_slots(kv, query.dtype)
+            wide = arena.wide.for_slots(kv, acc.dtype)
             step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, acc, query, scaling, wide)
         step.write_spare(keys, values, rows.next_id, rows.kept_rows)
         return attend_and_replace(step, query, arena.members[0].config, rows)
