@@ -172,9 +172,9 @@ class CacheConfig:
         A long input is attended in chunks of this many tokens, evicting after each, so scoring
         never builds a `[heads, n, n]` matrix for the whole prompt.
     kv_quant : {"none", "int8"}, default "none"
-        How keys and values are stored: at the model's width, or as int8 with one float32 scale
-        per token and head (symmetric absmax), about half a bf16 cache's bytes for the same slots.
-        Attention reads int8 slots widened to the model's width, one layer at a time.
+        How keys and values are stored: at the model's width, or as int8 codes with a float32
+        scale and zero point per token and head (144 bytes where bf16 takes 256 at head_dim 64).
+        See cache/kv_int8.py.
 
     Raises
     ------
@@ -196,8 +196,8 @@ class CacheConfig:
     positions: str = setting("rolling", "rolling re-lays kept keys so a chat outlives the model's context; absolute "
                              "keeps them where written", label="Positions", choices=POSITIONS)
     prefill_chunk: int = setting(256, "long inputs are attended in chunks of this many tokens", low=1, integer=True)
-    kv_quant: str = setting("none", "store keys and values as int8 with a scale per token and head (about half "
-                            "the memory of bf16, a small error), or at the model's width (none)",
+    kv_quant: str = setting("none", "keys and values at the model's width (none), or int8 with a scale and zero "
+                            "point per token and head: 56% of bf16's bytes, a small error",
                             label="KV storage", choices=KV_QUANTS)
 
     def __post_init__(self):
