@@ -26,14 +26,12 @@ class Entry:
 
 
 def quantized(x):
-    """x [head_dim] as an int8 slot holds it, widened: its range [low, high] cut into 255 steps of
+    """x [head_dim] as an 8-bit slot holds it, widened: its range [low, high] cut into 255 steps of
     `scale` (at least the smallest float32); each element moved to the nearest of the 256 values
-    zero + code * scale, codes -128..127, zero = low + 128 scale."""
+    low + code * scale, codes 0..255."""
     low, high = x.min(), x.max()
     scale = torch.clamp((high - low) / 255, min=torch.finfo(torch.float32).tiny)
-    zero = low + 128 * scale
-    codes = torch.clamp(torch.round((x - zero) / scale), -128, 127)
-    return zero + codes * scale
+    return low + torch.round((x - low) / scale) * scale
 
 
 @dataclass

@@ -151,7 +151,7 @@ def test_int8_conversations_decoded_together_reply_as_each_alone(budget):
     assert batcher.rows_stepped > batcher.steps, "the conversations never shared a step"
     for s in sessions:
         assert s.cache.get_seq_length() > budget >= s.cache.slots_used()
-        assert all(layer.kv.dtype == torch.int8 for layer in s.cache.layers)
+        assert all(layer.kv.dtype == torch.uint8 for layer in s.cache.layers)
 
 
 def test_sinks_written_inside_the_batch_are_kept_as_sinks():

@@ -65,7 +65,7 @@ def test_the_lean_step_over_int8_slots_is_the_model_forward_bit_for_bit(dtype, k
                                          budget=16, n_sink=2, n_recent=6, prefill_chunk=4, kv_quant="int8")
     assert equal_steps == 40
     assert_same_state(own, lean)
-    assert own.layers[0].kv.dtype == torch.int8 and own.layers[0].step.int8 is not None
+    assert own.layers[0].kv.dtype == torch.uint8 and own.layers[0].step.int8 is not None
     assert positions == "absolute" or own.layers[0].roll_floor > 0
 
 

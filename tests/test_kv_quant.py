@@ -31,12 +31,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_values_on_the_grid_come_back_exactly(dtype):
-    # every code -128..127 once, at a power-of-two step and a zero point on the grid: x = zero + code * step
-    codes = torch.arange(-128, 128)[torch.randperm(256, generator=torch.Generator().manual_seed(0))]
+    # every code 0..255 once, at a power-of-two step from a zero point: x = zero + code * step
+    codes = torch.arange(256)[torch.randperm(256, generator=torch.Generator().manual_seed(0))]
     steps, zeros = torch.tensor([2.0**-4, 2.0**3, 2.0**-20]), torch.tensor([0.5, -1024.0, 3 * 2.0**-18])
     x = (zeros[:, None] + codes * steps[:, None]).to(dtype)  # [3 vectors, 256]
     got_codes, scale, zero = quantize(x, dtype)
-    assert torch.equal(got_codes, codes.to(torch.int8).expand(3, -1))
+    assert torch.equal(got_codes, codes.to(kv_int8.CODES).expand(3, -1))
     assert torch.equal(scale, steps.to(dtype)) and torch.equal(zero, zeros.to(dtype))
     assert torch.equal(dequantize(got_codes, scale, zero, dtype), x)
 
@@ -48,14 +48,14 @@ def test_any_vector_comes_back_within_half_a_step():
     error = (dequantize(codes, scale, zero, torch.float32) - x).abs()
     assert torch.all(error <= scale[:, None] * (0.5 + 1e-4))
     assert torch.equal(dequantize(codes[:1], scale[:1], zero[:1], torch.float32), x[:1])
-    assert codes.min() == -128 and codes.max() == 127  # each vector's extremes use the extreme codes
+    assert torch.all(codes.amin(-1)[1:] == 0) and torch.all(codes.amax(-1)[1:] == 255)  # the extremes use the extreme codes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_decode_step_quantizes_the_new_token_as_quantize_does(dtype):
     b, h, cap, d, acc = 2, 3, 5, 8, torch.float32
-    kv = torch.zeros(2, b, h, cap, d, dtype=torch.int8)
-    meta, acc_buf = torch.zeros(N_META, b, h, cap, dtype=torch.int32), torch.zeros(acc_rows(torch.int8), b, h, cap)
+    kv = torch.zeros(2, b, h, cap, d, dtype=kv_int8.CODES)
+    meta, acc_buf = torch.zeros(N_META, b, h, cap, dtype=torch.int32), torch.zeros(acc_rows(kv_int8.CODES), b, h, cap)
     wide = kv_int8.WideScratch().for_slots(kv, acc)
     step = DecodeStep.over(kv, meta, acc_buf, torch.zeros(b, 2 * h, 1, d, dtype=dtype), 1.0, wide)
     g = torch.Generator().manual_seed(2)
@@ -202,5 +202,5 @@ def test_an_int8_state_is_refused_by_a_float_cache_in_words():
     same = H2OCache(model, budget=16, kv_quant="int8")
     same.restore(same.import_state(tensors, info))
     assert all(torch.equal(a.kv, b.kv) and torch.equal(a.acc, b.acc) for a, b in zip(saved.layers, same.layers))
-    with pytest.raises(ValueError, match="buffers of torch.int8 / torch.int32, the cache stores torch.float32"):
+    with pytest.raises(ValueError, match="buffers of torch.uint8 / torch.int32, the cache stores torch.float32"):
         H2OCache(model, budget=16).import_state(tensors, info)

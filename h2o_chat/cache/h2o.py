@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
 from .config import Budget, CacheConfig
-from .kv_int8 import KEY_SCALE, KEY_ZERO, SCALES, ZEROS, WideScratch, dequantize, quantize
+from .kv_int8 import CODES, KEY_SCALE, KEY_ZERO, SCALES, ZEROS, WideScratch, dequantize, quantize
 from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
 from .step import (
     IDS,
@@ -197,7 +197,7 @@ class H2OLayer(CacheLayerMixin):
         """(keys, values) [batch, kv_heads, slots, head_dim] in `dtype`: copies of the live slots, int8
         ones widened with their scales (what attention reads), for code that wants plain tensors."""
         n = self.n_slots
-        if self.kv.dtype == torch.int8:
+        if self.kv.dtype == CODES:
             return tuple(dequantize(self.kv[:, :, :, :n], self.acc[SCALES, :, :, :n], self.acc[ZEROS, :, :, :n], dtype))
         return self.keys.to(dtype, copy=True), self.values.to(dtype, copy=True)
 
@@ -284,7 +284,7 @@ class H2OLayer(CacheLayerMixin):
         """Buffers of `capacity` slots, the live slots copied over (like: [batch, kv_heads, n, head_dim],
         the model's keys)."""
         b, h, _, d = like.shape
-        kv_dtype = torch.int8 if self.config.kv_quant == "int8" else like.dtype
+        kv_dtype = CODES if self.config.kv_quant == "int8" else like.dtype
         kv = torch.zeros(2, b, h, capacity, d, dtype=kv_dtype, device=like.device)
         meta = torch.zeros(N_META, b, h, capacity, dtype=INT_OF[score_dtype(like.dtype)], device=like.device)
         acc = torch.zeros(acc_rows(kv_dtype), b, h, capacity, dtype=score_dtype(like.dtype), device=like.device)
@@ -339,7 +339,7 @@ class H2OLayer(CacheLayerMixin):
             meta = torch.cat((self.meta[..., : self.n_slots], self._new_meta(b, h, n, limits.n_sink, pins)), dim=3)
             acc = torch.cat((self.acc[..., : self.n_slots], new_acc), dim=3)
         self.n_seen += n
-        read = kv if kv.dtype != torch.int8 else dequantize(kv, acc[SCALES], acc[ZEROS], query.dtype)
+        read = kv if kv.dtype != CODES else dequantize(kv, acc[SCALES], acc[ZEROS], query.dtype)
         out, probs = scoring.grouped_attention(query, read[0], read[1], scaling)
         scoring.add_mass(acc[SCORE], acc[QUERIES], probs, self.config.score, self.config.decay)
         evicted = budget is not None and total > budget
@@ -401,7 +401,7 @@ class H2OLayer(CacheLayerMixin):
             self.inv_freq = self.inv_freq.to(self.kv.device)
         rank = self.token_ids.argsort(dim=-1).argsort(dim=-1)
         target = self.n_seen - self.n_slots + rank
-        if self.kv.dtype != torch.int8:
+        if self.kv.dtype != CODES:
             rotate_keys(self.keys, target - self.positions, self.inv_freq)
         else:  # int8 keys: widened, rotated, quantized again (one more rounding per re-lay)
             n, acc = self.n_slots, self.acc
@@ -437,7 +437,7 @@ class H2OLayer(CacheLayerMixin):
         meta[IDS : KEY + 1].fill_(self.n_seen)  # its id, its position, its protection key
         if never_evicted(self.n_seen, n_sink, pins):
             meta[KEY].fill_(torch.iinfo(meta.dtype).max)
-        if self.kv.dtype == torch.int8:
+        if self.kv.dtype == CODES:
             new_kv, new_acc = self._new_slots(keys, values)
             kv.copy_(new_kv[:, :, :, 0])
             self.acc[..., slot].copy_(new_acc[..., 0])
@@ -536,7 +536,7 @@ class H2OCache(Cache):
         for layer in self.layers:
             if layer.kv is not None:
                 total += 2 * layer.keys.nelement() * layer.keys.element_size()
-                if layer.kv.dtype == torch.int8:  # a scale and a zero point for each key and value
+                if layer.kv.dtype == CODES:  # a scale and a zero point for each key and value
                     total += 4 * layer.scores.nelement() * layer.acc.element_size()
         return total
 
@@ -599,7 +599,7 @@ class H2OCache(Cache):
                              f"{len(self.layers)}")
         limits = read_limits(info.get("limits"), self.config)
         pins = read_pins(info.get("pins"))
-        kv_dtype = torch.int8 if self.config.kv_quant == "int8" else self.dtype
+        kv_dtype = CODES if self.config.kv_quant == "int8" else self.dtype
         layers = [H2OLayer.state_from(tensors.get(f"layer.{i}.kv"), tensors.get(f"layer.{i}.meta"), row,
                                       self.kv_heads, self.head_dim, self.dtype, limits, kv_dtype)
                   for i, row in enumerate(counts.tolist())]

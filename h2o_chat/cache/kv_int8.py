@@ -1,5 +1,6 @@
-"""int8 keys and values (CacheConfig.kv_quant="int8"): a slot's key and value as int8 codes with a
-scale and a zero point each, per token and head: zero + code * scale, codes -128..127.
+"""8-bit keys and values (CacheConfig.kv_quant="int8"): a slot's key and value as 8-bit codes with
+a scale and a zero point each, per token and head: zero + code * scale, codes 0..255 (uint8), the
+zero point the vector's smallest element.
 
 Why a zero point: a key's channels are lopsided (RoPE pairs with a large mean), so a symmetric
 scale wastes half its codes; on the embedded model over 1,024 tokens of held-out text the
@@ -23,25 +24,26 @@ import torch
 KEY_SCALE, VALUE_SCALE, KEY_ZERO, VALUE_ZERO = range(2, 6)  # rows of acc after the score rows
 SCALES, ZEROS = slice(KEY_SCALE, VALUE_SCALE + 1), slice(KEY_ZERO, VALUE_ZERO + 1)
 N_ROWS = 4  # the rows int8 slots add to acc
-STEPS, MIDDLE = 255, 128  # a vector's range in 255 steps; codes run from -MIDDLE to STEPS - MIDDLE
+CODES = torch.uint8  # the dtype of a layer's kv buffer for 8-bit slots
+STEPS = 255  # a vector's range [low, high] in 255 steps: codes 0..255, zero = low
 TINY = torch.finfo(torch.float32).tiny  # the smallest scale: a constant vector's
 
 
 def quantize(x, acc_dtype=torch.float32):
-    """x [..., head_dim] float -> (codes int8 [..., head_dim], scale [...], zero [...] in acc_dtype)
-    with zero + codes * scale ~ x: each vector's range cut into 255 steps, each element rounded to
-    the nearest. Values on that grid come back exactly. `Int8Step.write` does the same ops on the
-    new token, bit for bit."""
+    """x [..., head_dim] float -> (codes uint8 [..., head_dim], scale [...], zero [...] in acc_dtype)
+    with zero + codes * scale ~ x: each vector's range cut into 255 steps from its smallest element,
+    each element rounded to the nearest. Values on that grid come back exactly. (x - low) / scale
+    lies in [0, 255] however the floats round (x >= low exactly, and the range over its own 255th
+    is 255 to a few ulps), so no clamp is needed. `Int8Step.write` does the same ops on the new
+    token, bit for bit."""
     x = x.to(acc_dtype, copy=True)
-    low, high = torch.aminmax(x, dim=-1)
-    scale = torch.sub(high, low).div_(STEPS).clamp_min_(TINY)
-    zero = torch.add(low, scale, alpha=MIDDLE)
-    codes = x.sub_(zero[..., None]).div_(scale[..., None]).round_().clamp_(-MIDDLE, STEPS - MIDDLE)
-    return codes.to(torch.int8), scale, zero
+    zero, high = torch.aminmax(x, dim=-1)
+    scale = torch.sub(high, zero).div_(STEPS).clamp_min_(TINY)
+    return x.sub_(zero[..., None]).div_(scale[..., None]).round_().to(CODES), scale, zero
 
 
 def dequantize(codes, scale, zero, dtype):
-    """`quantize`'s output back to float: codes [..., head_dim] int8, scale, zero [...] -> [..., head_dim]
+    """`quantize`'s output back to float: codes [..., head_dim] uint8, scale, zero [...] -> [..., head_dim]
     in dtype. (The prefill's path: the decode step never widens by the scales, see above.)"""
     return codes.to(scale.dtype).mul_(scale[..., None]).add_(zero[..., None]).to(dtype)
 
@@ -57,7 +59,7 @@ class WideScratch:
 
     def for_slots(self, kv, acc_dtype):
         """[2, b*h, cap, d] in acc_dtype for the int8 slots kv [2, b, h, cap, d] (None for float slots)."""
-        if kv.dtype != torch.int8:
+        if kv.dtype != CODES:
             return None
         _, b, h, cap, d = kv.shape
         n = 2 * b * h * cap * d
@@ -72,7 +74,7 @@ class Int8Step:
     once. b rows, h KV heads, g query heads per KV head, cap slots, d head_dim; acc is the score
     dtype (float32, or float64), in which all of it runs."""
 
-    codes: torch.Tensor  # [2, b*h, cap, d] int8: a view of kv
+    codes: torch.Tensor  # [2, b*h, cap, d] uint8: a view of kv
     keys_t: torch.Tensor  # [b*h, d, cap] acc: the codes as floats, in the shared scratch
     values: torch.Tensor  # [b*h, cap, d] acc
     wide: torch.Tensor  # [2, b*h, cap, d] acc: both of the above
@@ -89,12 +91,11 @@ class Int8Step:
     new: torch.Tensor  # [2, b, h, 1, d]: the new key and value, quantized here
     new_key: torch.Tensor  # [b, h, 1, d]: views of it
     new_value: torch.Tensor
-    new_low: torch.Tensor  # [2, b, h, 1, 1]
-    new_high: torch.Tensor
+    new_high: torch.Tensor  # [2, b, h, 1, 1]
     new_rows: torch.Tensor  # [N_ROWS, b, h, 1, 1]: its scales and zero points, as acc's rows hold them
     new_scales: torch.Tensor  # [2, b, h, 1, 1]: views of new_rows
     new_zeros: torch.Tensor
-    spare_codes: torch.Tensor  # [2, b, h, 1, d] int8: views of the spare slot
+    spare_codes: torch.Tensor  # [2, b, h, 1, d] uint8: views of the spare slot
     spare_rows: torch.Tensor  # [N_ROWS, b, h, 1, 1]
     steps: torch.Tensor  # 0-d: 255
     tiny: torch.Tensor
@@ -115,8 +116,8 @@ class Int8Step:
             query_sum=wide.new_empty(b * h, group, 1), logits=wide.new_empty(b * h, group, cap),
             probs_scaled=wide.new_empty(b * h, group, cap), out=wide.new_empty(b * h, group, d),
             zero_out=wide.new_empty(b * h, group, 1),
-            new=new, new_key=new[0], new_value=new[1], new_low=wide.new_empty(2, b, h, 1, 1),
-            new_high=wide.new_empty(2, b, h, 1, 1), new_rows=new_rows, new_scales=new_rows[:2], new_zeros=new_rows[2:],
+            new=new, new_key=new[0], new_value=new[1], new_high=wide.new_empty(2, b, h, 1, 1),
+            new_rows=new_rows, new_scales=new_rows[:2], new_zeros=new_rows[2:],
             spare_codes=kv[:, :, :, spare:], spare_rows=acc_buf[KEY_SCALE:, :, :, spare:, None],
             steps=torch.tensor(STEPS, dtype=acc, device=kv.device), tiny=torch.tensor(TINY, dtype=acc, device=kv.device),
         )
@@ -126,11 +127,9 @@ class Int8Step:
         new = self.new
         self.new_key.copy_(keys)
         self.new_value.copy_(values)
-        torch.aminmax(new, dim=-1, keepdim=True, out=(self.new_low, self.new_high))
-        torch.sub(self.new_high, self.new_low, out=self.new_scales).div_(self.steps).clamp_min_(self.tiny)
-        torch.add(self.new_low, self.new_scales, alpha=MIDDLE, out=self.new_zeros)
-        new.sub_(self.new_zeros).div_(self.new_scales).round_().clamp_(-MIDDLE, STEPS - MIDDLE)
-        self.spare_codes.copy_(new)
+        torch.aminmax(new, dim=-1, keepdim=True, out=(self.new_zeros, self.new_high))
+        torch.sub(self.new_high, self.new_zeros, out=self.new_scales).div_(self.steps).clamp_min_(self.tiny)
+        self.spare_codes.copy_(new.sub_(self.new_zeros).div_(self.new_scales).round_())
         self.spare_rows.copy_(self.new_rows)  # computed apart: a strided out= would break a compiled graph
 
     def attention_logits(self, query, scale):

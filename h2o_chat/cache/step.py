@@ -30,7 +30,7 @@ def score_dtype(model_dtype):
 
 def acc_rows(kv_dtype):
     """How many rows a layer's acc buffer has for slots stored in `kv_dtype`."""
-    return N_ACC + kv_int8.N_ROWS if kv_dtype == torch.int8 else N_ACC
+    return N_ACC + kv_int8.N_ROWS if kv_dtype == kv_int8.CODES else N_ACC
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class DecodeStep:
             spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
             spare_acc=acc_buf[:N_ACC, :, :, spare],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            int8=kv_int8.Int8Step.over(kv, acc_buf, query, wide) if kv.dtype == torch.int8 else None,
+            int8=kv_int8.Int8Step.over(kv, acc_buf, query, wide) if kv.dtype == kv_int8.CODES else None,
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
             ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
