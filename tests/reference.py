@@ -4,7 +4,9 @@ rows, KV heads and queries, Python lists for the cache and Python sorting for ev
 It reuses the model's projections, norms and MLPs (they are not what is being tested) and
 re-implements everything a cache policy touches: which tokens each head keeps, their scores,
 and the RoPE positions their keys are used at (always rotated fresh from the raw key, where
-H2OCache re-rotates keys it holds).
+H2OCache re-rotates keys it holds). With kv_quant="int8" an entry keeps its key and value as
+int8 slots hold them (`quantized`, written out element by element's rule): the key rounded
+after its rotation, and at a re-lay rotated on from there and rounded again, as H2OCache must.
 """
 
 from dataclasses import dataclass, field
@@ -20,6 +22,16 @@ class Entry:
     position: int  # RoPE position its key is used at (= token_id until a rolling re-lay)
     score: float = 0.0
     queries: int = 0
+    stored_key: torch.Tensor | None = None  # kv_quant="int8": the rotated key as the slot holds it
+
+
+def quantized(x):
+    """x [head_dim] as an 8-bit slot holds it, widened: its range [low, high] cut into 255 steps of
+    `scale` (at least the smallest float32); each element moved to the nearest of the 256 values
+    low + code * scale, codes 0..255."""
+    low, high = x.min(), x.max()
+    scale = torch.clamp((high - low) / 255, min=torch.finfo(torch.float32).tiny)
+    return low + torch.round((x - low) / scale) * scale
 
 
 @dataclass
@@ -33,6 +45,7 @@ class ReferenceH2O:
     decay: float = 0.9
     positions: str = "absolute"
     prefill_chunk: int = 256
+    kv_quant: str = "none"
     pins: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -80,10 +93,14 @@ class ReferenceH2O:
                 for kh in range(self.n_kv):
                     entries = self.entries[li][bi][kh]
                     old = len(entries)
-                    keys = [self.rope(e.raw_key, e.position) for e in entries]
+                    keys = [self.key(e) for e in entries]
                     for j in range(n):
-                        entries.append(Entry(p0 + j, k[bi, j, kh], v[bi, j, kh], position=p0 + j))
-                        keys.append(self.rope(k[bi, j, kh], p0 + j))
+                        entry = Entry(p0 + j, k[bi, j, kh], v[bi, j, kh], position=p0 + j)
+                        if self.kv_quant == "int8":
+                            entry.stored_key = quantized(self.rope(entry.raw_key, entry.position))
+                            entry.value = quantized(entry.value)
+                        entries.append(entry)
+                        keys.append(self.key(entry))
                     mass = [[0.0] * len(entries) for _ in range(n)]  # [query][entry]
                     for qh in range(kh * group, (kh + 1) * group):
                         for i in range(n):
@@ -117,7 +134,10 @@ class ReferenceH2O:
                     kept = self._evict(self.entries[li][bi][kh], budget)
                     if roll:
                         for rank, e in enumerate(sorted(kept, key=lambda e: e.token_id)):
-                            e.position = self.n_seen - len(kept) + rank
+                            position = self.n_seen - len(kept) + rank
+                            if self.kv_quant == "int8":  # rotated on from the rounded key, rounded again
+                                e.stored_key = quantized(self.rope(e.stored_key, position - e.position))
+                            e.position = position
                     self.entries[li][bi][kh] = kept
             if roll:
                 self.roll_floor[li] = self.n_seen - budget
@@ -125,6 +145,10 @@ class ReferenceH2O:
 
     def budget_of(self, layer):
         return self.budget[layer] if isinstance(self.budget, list) else self.budget
+
+    def key(self, e):
+        """The key attention uses: rotated fresh from the raw key, or an int8 slot's as it holds it."""
+        return e.stored_key if self.kv_quant == "int8" else self.rope(e.raw_key, e.position)
 
     def priority(self, e):
         if self.policy != "h2o":
@@ -150,8 +174,9 @@ class ReferenceH2O:
         return sorted(e.token_id for e in self.entries[layer][batch][kv_head])
 
     def fresh_keys(self, layer, batch, kv_head):
-        """{token_id: the raw key rotated fresh, in one step, to the position it should hold now}"""
-        return {e.token_id: self.rope(e.raw_key, e.position) for e in self.entries[layer][batch][kv_head]}
+        """{token_id: the key as it should be held now: the raw key rotated fresh, in one step, to
+        its position (int8: the rounded key rotated and rounded at each re-lay)}"""
+        return {e.token_id: self.key(e) for e in self.entries[layer][batch][kv_head]}
 
     def scores(self, layer, batch, kv_head):
         mean = self.score == "mean"

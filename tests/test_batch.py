@@ -143,6 +143,19 @@ def test_conversations_decoded_together_reply_as_each_alone(policy, budget, kv_h
         assert s.cache.get_seq_length() > budget >= s.cache.slots_used(None)
 
 
+@pytest.mark.parametrize("budget", [24, 64], ids=["full-from-the-start", "fills-inside-the-batch"])
+def test_int8_conversations_decoded_together_reply_as_each_alone(budget):
+    model, tokenizer = tiny()
+    make = session_maker(model, tokenizer, [dict(POLICIES[0], budget=budget, kv_quant="int8")])
+    scripts = [[p, "and then?"] for p in PROMPTS[:3]]
+    alone, together, batcher, sessions = alone_and_together(make, scripts)
+    assert together == alone
+    assert batcher.rows_stepped > batcher.steps, "the conversations never shared a step"
+    for s in sessions:
+        assert s.cache.get_seq_length() > budget >= s.cache.slots_used()
+        assert all(layer.kv.dtype == torch.uint8 for layer in s.cache.layers)
+
+
 def test_sinks_written_inside_the_batch_are_kept_as_sinks():
     """A short chat with many sinks: its first reply's tokens are still sinks when it joins."""
     model, tokenizer = tiny()

@@ -58,6 +58,9 @@ def run_both(model, cache, ref, prompt, steps, check):
 # each budget shape (a pyramid's layers hold 17 and 7 slots of the stated 2 x 12)
 MQA_CASES = [(policy, "sum", positions, batch, shape) for policy in ("h2o", "sink") for positions in POSITIONS
              for batch in (1, 2) for shape in BUDGET_SHAPES]
+# int8 slots (kv_quant): GQA and MQA, both position modes (rolling re-lays rotate and round int8 keys again)
+INT8_CASES = [(kv_heads, policy, positions) for kv_heads in (2, 1) for policy in ("h2o", "sink")
+              for positions in POSITIONS]
 
 
 @pytest.mark.parametrize("budget_shape", BUDGET_SHAPES)
@@ -73,20 +76,28 @@ def test_single_kv_head_same_as_reference(policy, score, positions, batch, budge
     check_against_reference(make_tiny_llama(torch.float64, kv_heads=1), policy, score, positions, batch, budget_shape)
 
 
-def check_against_reference(model, policy, score, positions, batch, budget_shape="uniform"):
+@pytest.mark.parametrize("kv_heads,policy,positions", INT8_CASES)
+def test_int8_slots_same_as_reference(kv_heads, policy, positions):
+    check_against_reference(make_tiny_llama(torch.float64, kv_heads=kv_heads), policy, "sum", positions, batch=2,
+                            kv_quant="int8")
+
+
+def check_against_reference(model, policy, score, positions, batch, budget_shape="uniform", kv_quant="none"):
     kv_heads = model.config.num_key_value_heads
     cache = H2OCache(model, policy=policy, budget=12, n_sink=2, n_recent=4, score=score, positions=positions,
-                     prefill_chunk=5, budget_shape=budget_shape)
+                     prefill_chunk=5, budget_shape=budget_shape, kv_quant=kv_quant)
     lim = cache.limits
     budgets = [lim.layer(i).budget for i in range(2)]
     if policy != "full":  # uniform: 12 in each layer; pyramid: the 6 heavy slots (8: window has no sinks) as 11 + 1 (15 + 1)
         assert budgets == [12, 12] if budget_shape == "uniform" else [19, 5] if policy == "window" else [17, 7]
     ref = ReferenceH2O(model, policy=policy, budget=budgets, n_sink=lim.n_sink, n_recent=lim.n_recent,
-                       score=score, positions=positions, prefill_chunk=5)
+                       score=score, positions=positions, prefill_chunk=5, kv_quant=kv_quant)
     prompt = torch.randint(0, 128, (batch, 23), generator=torch.Generator().manual_seed(2))
 
     # memory: the stated total, 2 layers x 12 slots, each [batch, kv_heads, head_dim] keys and values
     per_slot = 2 * batch * kv_heads * cache.head_dim * torch.finfo(model.dtype).bits // 8
+    if kv_quant == "int8":  # a byte a number, and a scale and zero point (float64 here) for each key and value
+        per_slot = batch * kv_heads * (2 * cache.head_dim + 4 * 8)
 
     def check(logits, ref_logits):
         # float64 throughout except RoPE angles, which transformers computes in float32
@@ -104,7 +115,8 @@ def check_against_reference(model, policy, score, positions, batch, budget_shape
                     if positions == "rolling":  # re-rotated keys equal keys rotated fresh to their positions
                         fresh = ref.fresh_keys(layer, b, h)
                         want_keys = torch.stack([fresh[t] for t in ids[b, h].tolist()])
-                        torch.testing.assert_close(cache.layers[layer].keys[b, h], want_keys, atol=1e-6, rtol=1e-6)
+                        keys = cache.layers[layer].widened(torch.float64)[0]
+                        torch.testing.assert_close(keys[b, h], want_keys, atol=1e-6, rtol=1e-6)
 
     run_both(model, cache, ref, prompt, 40, check)
     if policy != "full":
@@ -399,13 +411,14 @@ def test_eviction_ties_keep_the_newer_token():
     assert kv[0, 0, 0, 3].tolist() == [1.0] * 4
 
 
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.slow
-def test_a_full_layer_decodes_without_host_syncs_or_new_buffers(dtype):
+def test_a_full_layer_decodes_without_host_syncs_or_new_buffers(dtype, kv_quant):
     from torch.profiler import ProfilerActivity, profile
 
     model = make_tiny_llama(dtype)
-    cache = H2OCache(model, policy="h2o", budget=16, n_sink=2, n_recent=4, positions="rolling")
+    cache = H2OCache(model, policy="h2o", budget=16, n_sink=2, n_recent=4, positions="rolling", kv_quant=kv_quant)
     token = model(torch.randint(0, 128, (1, 30)), cache=cache).logits[:, -1:].argmax(-1)
     buffers = [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.acc.data_ptr(), layer.kv.shape) for layer in cache.layers]
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -57,6 +57,18 @@ def test_the_lean_step_is_the_model_forward_bit_for_bit(dtype, policy, score, po
         assert positions == "absolute" or own.layers[0].roll_floor > 0  # a roll happened inside the run
 
 
+@pytest.mark.parametrize("positions", ["absolute", "rolling"])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_lean_step_over_int8_slots_is_the_model_forward_bit_for_bit(dtype, kv_heads, positions):
+    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, kv_heads=kv_heads), batch=2, positions=positions,
+                                         budget=16, n_sink=2, n_recent=6, prefill_chunk=4, kv_quant="int8")
+    assert equal_steps == 40
+    assert_same_state(own, lean)
+    assert own.layers[0].kv.dtype == torch.uint8 and own.layers[0].step.int8 is not None
+    assert positions == "absolute" or own.layers[0].roll_floor > 0
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_kv_head_lean_step(dtype, batch):
@@ -118,14 +130,15 @@ def test_models_it_cannot_run_exactly_take_their_own_forward():
     assert Decoder(LlamaForCausalLM(config)).why_not == "RoPE type 'dynamic'"
 
 
-def test_the_step_is_one_graph_for_a_compiler():
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+def test_the_step_is_one_graph_for_a_compiler(kv_quant):
     # issue 32: a GPU needs the step captured whole. Dynamo traces the lean step, the cache's write,
     # attention, scoring and eviction included, as one graph with no break; the slot buffers it
     # mutates are each of one dtype (inductor refuses a mutated input viewed as two dtypes)
     import torch._dynamo
 
     model = make_tiny_llama(torch.float32)
-    cache, decoder = H2OCache(model, budget=12, n_sink=2, n_recent=4), Decoder(model)
+    cache, decoder = H2OCache(model, budget=12, n_sink=2, n_recent=4, kv_quant=kv_quant), Decoder(model)
     with torch.no_grad():
         model(torch.arange(20)[None] % model.config.vocab_size, cache=cache)  # full: it evicts every step
         explained = torch._dynamo.explain(decoder.step)(torch.tensor([[5]]), torch.tensor([20]), cache)

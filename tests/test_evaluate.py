@@ -94,6 +94,19 @@ def test_ppl_sweeps_sinks_recent_split_and_positions(tiny_model_dir, play_text, 
 
 
 @pytest.mark.slow
+def test_ppl_sweeps_the_kv_width_and_reports_the_bytes_held(tiny_model_dir, play_text, tmp_path):
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
+                   "--tokens", "96", "--budgets", "32", "--chunk", "8", "--methods", "full,h2o-sum",
+                   "--kv-quant", "none,int8", "--long-tokens", "0"])
+    rows = {r["label"]: r for r in read_results(tmp_path, "ppl")["rows"]}
+    assert list(rows) == ["full", "full:int8", "h2o-sum", "h2o-sum:int8"]
+    # the tiny model's float32, head_dim 16: 64 bytes of keys and values a token and head, or
+    # 2 x 16 int8 codes and four float32 scales and zero points (48); 32 of the 95 tokens fed kept
+    assert [rows[k]["kv_pct"] for k in rows] == ["100.0%", "75.0%", f"{32 / 95:.1%}", f"{32 / 95 * 0.75:.1%}"]
+    assert rows["full"]["vs_full"] == "+0.0%" and rows["full:int8"]["ppl"] != rows["full"]["ppl"]
+
+
+@pytest.mark.slow
 def test_ppl_quick(tiny_model_dir, play_text, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text), "--quick",
                    "--methods", "full,sink,h2o-sum", "--long-methods", "full,h2o-sum"])

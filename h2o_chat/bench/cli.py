@@ -180,7 +180,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed windows per method (median reported)")
     cache_flag(p, "budget")
     p.add_argument("--methods", type=name_list, default=["full", "h2o"],
-                   help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached); "
+                   help="full, h2o, dynamic (transformers' DynamicCache), h2o-noevict (budget never reached); :int8 for int8 KV (h2o:int8); "
                         "a +lean suffix (h2o+lean) decodes through models/decode.py's lean step, as the app does")
     p.add_argument("--dtype", default="auto")
     quantization_flag(p, many=True)

@@ -69,14 +69,16 @@ LEAN = "+lean"
 
 
 def make_cache(model, method, budget, **settings):
-    """'dynamic' (transformers' DynamicCache), 'full', 'window', 'sink', 'h2o' or 'h2o-<score>'
-    (a '+lean' suffix, see decode.py's `decode_step`, makes the same cache). `settings` are
-    CacheConfig's (n_sink=, positions=, prefill_chunk=...); the ones not given are its defaults."""
-    method = method.removesuffix(LEAN)
+    """'dynamic' (transformers' DynamicCache), 'full', 'window', 'sink', 'h2o' or 'h2o-<score>',
+    each with ':int8' for int8 keys and values (CacheConfig.kv_quant; 'h2o:int8'); a '+lean' suffix,
+    see decode.py's `decode_step`, makes the same cache. `settings` are CacheConfig's (n_sink=,
+    positions=, prefill_chunk=...); the ones not given are its defaults."""
+    method, _, width = method.removesuffix(LEAN).partition(":")
     if method == "dynamic":
         return DynamicCache()
     policy, _, score = method.partition("-")
-    return H2OCache(model, policy=policy, budget=budget, **({"score": score} if score else {}), **settings)
+    settings = {**settings, **({"score": score} if score else {}), **({"kv_quant": width} if width else {})}
+    return H2OCache(model, policy=policy, budget=budget, **settings)
 
 
 def kv_bytes(cache):

@@ -24,7 +24,7 @@ def frozen_copy(cache):
     values [batch, kv_heads, slots, head_dim] (slot order means nothing to attention). It never
     evicts, so what runs next attends over these slots plus its own tokens, as it would over a
     kvpress-compressed cache."""
-    return DynamicCache([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+    return DynamicCache([layer.widened(cache.dtype) for layer in cache.layers])
 
 
 @torch.no_grad()

@@ -45,6 +45,7 @@ def main(argv=None):
                "(None); the heavy hitters get the rest; a list sweeps it")
     cache_flag(p, "positions", sweep=name_list, note="rolling, absolute or both")
     cache_flag(p, "budget_shape", sweep=name_list, note="uniform, pyramid or both (at the same total)")
+    cache_flag(p, "kv_quant", sweep=name_list, note="none, int8 or both (none,int8): each a run")
     # 16, not the library's 256: the caches here stream the text and should evict almost token by
     # token, as in the paper; 256 is the chunk that makes one long prompt's prefill fast
     cache_flag(p, "prefill_chunk", "--chunk", default=16, note="the caches evict every this many tokens")

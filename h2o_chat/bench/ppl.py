@@ -54,24 +54,25 @@ def ppl_configs(args, budgets):
     varies = {"n_sink": len(args.n_sink) > 1, "n_recent": len(args.n_recent) > 1, "positions": len(args.positions) > 1,
               "budget_shape": len(args.budget_shape) > 1}
     seen, configs = set(), []
-    for method, budget, n_sink, recent, positions, shape in itertools.product(
-            args.methods, budgets, args.n_sink, args.n_recent, args.positions, args.budget_shape):
+    for method, budget, n_sink, recent, positions, shape, kv_quant in itertools.product(
+            args.methods, budgets, args.n_sink, args.n_recent, args.positions, args.budget_shape, args.kv_quant):
         policy, _, score = method.partition("-")
         # n_recent: a fraction of the budget, a slot count, or None (the library's default split)
         n_recent = round(recent * budget) if isinstance(recent, float) else recent
         kw = dict(policy=policy, budget=budget, n_sink=n_sink, score=score or "sum",
-                  n_recent=n_recent if policy == "h2o" else None, positions=positions, budget_shape=shape)
+                  n_recent=n_recent if policy == "h2o" else None, positions=positions, budget_shape=shape,
+                  kv_quant=kv_quant)
         try:
             limits = CacheConfig(**kw).resolve(args.tokens)
         except ValueError:
             if shape == "uniform":
                 raise
             continue  # a pyramid with nothing to share (window, sink keep only sinks and newest): skipped
-        key = ("full",) if policy == "full" else (method, limits, positions, shape)
+        key = ("full", kv_quant) if policy == "full" else (method, limits, positions, shape, kv_quant)
         if key in seen:
             continue
         seen.add(key)
-        label = [method]
+        label = [method + ("" if kv_quant == "none" else f":{kv_quant}")]
         if policy in ("h2o", "sink") and varies["n_sink"]:
             label.append(f"sink{n_sink}")
         if policy == "h2o" and varies["n_recent"]:
@@ -102,8 +103,8 @@ def run(args):
     meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
             "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights,
             "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
-    columns = ["label", "budget", "budget_pct", "n_sink", "n_recent", "positions", "budget_shape", "ppl", "vs_full",
-               "seconds"]
+    columns = ["label", "budget", "budget_pct", "kv_pct", "n_sink", "n_recent", "positions", "budget_shape", "ppl",
+               "vs_full", "seconds"]
     if len(args.quantization) > 1:
         columns[1:1] = ["quantization"]
         columns.insert(-1, f"vs_{args.quantization[0]}")
@@ -133,12 +134,14 @@ def short_ppl(args, model, tokenizer, quantization):
         rows.append({"label": label, "quantization": quantization, "method": method,
                      "budget": "all" if unbounded else limits.budget,
                      "budget_pct": "100%" if unbounded else f"{limits.budget / args.tokens:.0%}",
+                     # the bytes it holds at the end against a full cache at the model's width
+                     "kv_pct": f"{cache.kv_bytes() / cache.full_kv_bytes():.1%}",
                      "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
                      "positions": "" if unbounded else kw["positions"],
                      "budget_shape": "" if unbounded else kw["budget_shape"], "ppl": ppl,
                      "seconds": round(time.perf_counter() - start, 1)})
         print(rows[-1], flush=True)
-    full = next((r["ppl"] for r in rows if r["method"] == "full"), None)
+    full = next((r["ppl"] for r in rows if r["label"] == "full"), None)
     for r in rows:
         r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%" if full else ""
     return rows

@@ -20,6 +20,7 @@ BUDGET_SHAPES = ("uniform", "pyramid")
 # PyramidKV's beta: the top layer keeps 1/beta of the average layer's heavy slots (their default, 20;
 # at least 1, so the top layer is the smallest and every layer keeps a heavy slot)
 PYRAMID_BETA = 20
+KV_QUANTS = ("none", "int8")
 
 
 def setting(default, help, label=None, choices=None, low=None, high=None, low_open=False, integer=False):
@@ -186,6 +187,10 @@ class CacheConfig:
         chat layer pins them (chat/template.py's `template_ranges`); they count against the budget
         as pins do, so a long chat's grow until the budget has no room and a turn is refused.
         Off by default: measured on dialogue, it did not help (docs/story-fidelity.md).
+    kv_quant : {"none", "int8"}, default "none"
+        How keys and values are stored: at the model's width, or as int8 codes with a float32
+        scale and zero point per token and head (144 bytes where bf16 takes 256 at head_dim 64).
+        See cache/kv_int8.py.
 
     Raises
     ------
@@ -212,6 +217,9 @@ class CacheConfig:
                                 choices=BUDGET_SHAPES)
     keep_template: bool = setting(False, "never evict the chat template's control tokens (role markers, turn ends) of "
                                   "any turn; they count against the budget, as pins do", label="Keep template tokens")
+    kv_quant: str = setting("none", "keys and values at the model's width (none), or int8 with a scale and zero "
+                            "point per token and head: 56% of bf16's bytes, a small error",
+                            label="KV storage", choices=KV_QUANTS)
 
     def __post_init__(self):
         check_fields(self)
@@ -342,4 +350,4 @@ class Budget:
 
 # The settings a user of the app changes (its flags, the page's Cache fields, the API's "h2o" object);
 # decay and prefill_chunk stay the library's.
-APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions", "keep_template")
+APP_FIELDS = ("policy", "budget", "n_recent", "n_sink", "score", "positions", "keep_template", "kv_quant")

@@ -34,8 +34,22 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
 from .config import Budget, CacheConfig, layer_budgets
+from .kv_int8 import CODES, KEY_SCALE, KEY_ZERO, SCALES, ZEROS, WideScratch, dequantize, quantize
 from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
-from .step import IDS, INT_OF, KEY, N_ACC, N_META, POS, QUERIES, SCORE, DecodeStep, attend_and_replace, score_dtype
+from .step import (
+    IDS,
+    INT_OF,
+    KEY,
+    N_ACC,
+    N_META,
+    POS,
+    QUERIES,
+    SCORE,
+    DecodeStep,
+    acc_rows,
+    attend_and_replace,
+    score_dtype,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -43,7 +57,7 @@ GROWTH = 256  # slots an unbounded layer grows by
 
 
 def pack_meta(meta, acc):
-    """[N_META + N_ACC, ...] integers: meta, then acc's bits (the saved-state format)."""
+    """[N_META + acc rows, ...] integers: meta, then acc's bits (the saved-state format)."""
     return torch.cat((meta, acc.view(meta.dtype)))
 
 
@@ -110,8 +124,9 @@ class H2OLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, config: CacheConfig, inv_freq, max_positions):
+    def __init__(self, config: CacheConfig, inv_freq, max_positions, wide=None):
         self.config, self.inv_freq, self.max_positions = config, inv_freq, max_positions
+        self.wide = wide if wide is not None else WideScratch()  # shared by the cache's layers (int8 slots)
         self.reset()
 
     def reset(self):
@@ -120,7 +135,7 @@ class H2OLayer(CacheLayerMixin):
         self.n_slots = 0
         self.kv = None  # [2, batch, kv_heads, capacity, head_dim]
         self.meta = None  # [N_META, batch, kv_heads, capacity] integer
-        self.acc = None  # [N_ACC, batch, kv_heads, capacity] the score dtype
+        self.acc = None  # [acc_rows, batch, kv_heads, capacity] the score dtype (scales too for int8 slots)
         self.pins_seen = None  # the pins the protection keys were computed for
         self.roll_floor = 0  # no key sits at a position below this (rolling positions)
         self.step = None  # the decode step's views and scratch buffers, made at its first run
@@ -183,6 +198,14 @@ class H2OLayer(CacheLayerMixin):
         scores = heavy_score(acc[SCORE, :, :, :n], acc[QUERIES, :, :, :n], self.config.score)
         return meta[IDS, :, :, :n].long(), scores.clone()
 
+    def widened(self, dtype):
+        """(keys, values) [batch, kv_heads, slots, head_dim] in `dtype`: copies of the live slots, int8
+        ones widened with their scales (what attention reads), for code that wants plain tensors."""
+        n = self.n_slots
+        if self.kv.dtype == CODES:
+            return tuple(dequantize(self.kv[:, :, :, :n], self.acc[SCALES, :, :, :n], self.acc[ZEROS, :, :, :n], dtype))
+        return self.keys.to(dtype, copy=True), self.values.to(dtype, copy=True)
+
     def snapshot(self):
         buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone())
         return self.n_seen, self.n_slots, self.roll_floor, buffers
@@ -203,10 +226,11 @@ class H2OLayer(CacheLayerMixin):
         return None if buffers is None else buffers[1][IDS, :, :, :n_slots].long()
 
     @staticmethod
-    def state_from(kv, meta, counts, kv_heads, head_dim, dtype, limits):
+    def state_from(kv, meta, counts, kv_heads, head_dim, dtype, limits, kv_dtype=None):
         """The `snapshot()` that `state_tensors` gave (kv, meta None for a layer that held
-        nothing), checked against the model (kv heads, head_dim, dtype) and the resolved `limits`:
-        ValueError saying what does not fit, before anything is touched."""
+        nothing), checked against the model (kv heads, head_dim, dtype), how the cache stores
+        keys and values (`kv_dtype`: int8, or the model's dtype when None) and the resolved
+        `limits`: ValueError saying what does not fit, before anything is touched."""
         n_seen, n_slots, roll_floor = counts
         if not 0 <= roll_floor <= n_seen or not 0 <= n_slots <= n_seen:
             raise ValueError(f"inconsistent counts (seen {n_seen}, slots {n_slots}, roll floor {roll_floor})")
@@ -214,13 +238,15 @@ class H2OLayer(CacheLayerMixin):
             if kv is not None or meta is not None or n_seen:
                 raise ValueError("a layer's keys and values are missing")
             return 0, 0, 0, None
-        if kv.dtype != dtype or meta.dtype != INT_OF.get(score_dtype(dtype)):
-            raise ValueError(f"buffers of {kv.dtype} / {meta.dtype}, the model runs {dtype}")
+        kv_dtype = kv_dtype or dtype
+        if kv.dtype != kv_dtype or meta.dtype != INT_OF.get(score_dtype(dtype)):
+            raise ValueError(f"buffers of {kv.dtype} / {meta.dtype}, the cache stores {kv_dtype} for a model "
+                             f"in {dtype}")
         if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[2] != kv_heads or kv.shape[4] != head_dim:
             raise ValueError(f"keys and values of shape {list(kv.shape)}, the model has {kv_heads} KV heads of "
                              f"{head_dim}")
         capacity = kv.shape[3]
-        if list(meta.shape) != [N_META + N_ACC, *kv.shape[1:4]]:
+        if list(meta.shape) != [N_META + acc_rows(kv.dtype), *kv.shape[1:4]]:
             raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}")
         meta, acc = unpack_meta(meta, score_dtype(dtype))
         bounded = limits is not None and limits.budget is not None
@@ -260,11 +286,13 @@ class H2OLayer(CacheLayerMixin):
         self._forget_views()
 
     def allocate(self, capacity, like):
-        """Buffers of `capacity` slots, the live slots copied over (like: [batch, kv_heads, n, head_dim])."""
+        """Buffers of `capacity` slots, the live slots copied over (like: [batch, kv_heads, n, head_dim],
+        the model's keys)."""
         b, h, _, d = like.shape
-        kv = like.new_zeros(2, b, h, capacity, d)
+        kv_dtype = CODES if self.config.kv_quant == "int8" else like.dtype
+        kv = torch.zeros(2, b, h, capacity, d, dtype=kv_dtype, device=like.device)
         meta = torch.zeros(N_META, b, h, capacity, dtype=INT_OF[score_dtype(like.dtype)], device=like.device)
-        acc = torch.zeros(N_ACC, b, h, capacity, dtype=score_dtype(like.dtype), device=like.device)
+        acc = torch.zeros(acc_rows(kv_dtype), b, h, capacity, dtype=score_dtype(like.dtype), device=like.device)
         if self.kv is not None:
             kv[:, :, :, : self.n_slots] = self.kv[:, :, :, : self.n_slots]
             meta[..., : self.n_slots] = self.meta[..., : self.n_slots]
@@ -307,16 +335,17 @@ class H2OLayer(CacheLayerMixin):
             kv, meta, acc = self.kv[:, :, :, :total], self.meta[..., :total], self.acc[..., :total]
         elif total <= self.capacity:
             s = slice(self.n_slots, total)
-            self.kv[0, :, :, s], self.kv[1, :, :, s] = keys, values
+            self.kv[:, :, :, s], self.acc[..., s] = self._new_slots(keys, values)
             self.meta[..., s] = self._new_meta(b, h, n, limits.n_sink, pins)
-            self.acc[..., s] = 0
             kv, meta, acc = self.kv[:, :, :, :total], self.meta[..., :total], self.acc[..., :total]
         else:  # a chunk larger than the spare room: attend over temporaries, keep into the buffers
-            kv = torch.cat((self.kv[:, :, :, : self.n_slots], torch.stack((keys, values))), dim=3)
+            new_kv, new_acc = self._new_slots(keys, values)
+            kv = torch.cat((self.kv[:, :, :, : self.n_slots], new_kv), dim=3)
             meta = torch.cat((self.meta[..., : self.n_slots], self._new_meta(b, h, n, limits.n_sink, pins)), dim=3)
-            acc = torch.cat((self.acc[..., : self.n_slots], self.acc.new_zeros(N_ACC, b, h, n)), dim=3)
+            acc = torch.cat((self.acc[..., : self.n_slots], new_acc), dim=3)
         self.n_seen += n
-        out, probs = scoring.grouped_attention(query, kv[0], kv[1], scaling)
+        read = kv if kv.dtype != CODES else dequantize(kv, acc[SCALES], acc[ZEROS], query.dtype)
+        out, probs = scoring.grouped_attention(query, read[0], read[1], scaling)
         scoring.add_mass(acc[SCORE], acc[QUERIES], probs, self.config.score, self.config.decay)
         evicted = budget is not None and total > budget
         if evicted:
@@ -325,7 +354,7 @@ class H2OLayer(CacheLayerMixin):
             keep = select_keep(meta[IDS], ranks, protected, budget)
             kept_kv = kv.gather(3, keep[None, ..., None].expand(2, -1, -1, -1, d))
             kept_meta = meta.gather(3, keep[None].expand(N_META, -1, -1, -1))
-            kept_acc = acc.gather(3, keep[None].expand(N_ACC, -1, -1, -1))
+            kept_acc = acc.gather(3, keep[None].expand(acc.shape[0], -1, -1, -1))
             self.kv[:, :, :, :budget], self.meta[..., :budget], self.acc[..., :budget] = kept_kv, kept_meta, kept_acc
             total = budget
         self.n_slots = total
@@ -338,7 +367,8 @@ class H2OLayer(CacheLayerMixin):
         """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a layer holding
         `budget` slots. Returns [batch, 1, q_heads, head_dim]."""
         if self.step is None:
-            self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling)
+            wide = self.wide.for_slots(self.kv, self.acc.dtype)
+            self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling, wide)
         every_row = slice(None)
         self.step.write_spare(keys, values, self.n_seen, [every_row] if never_evicted(self.n_seen, limits.n_sink, pins) else ())
         self.n_seen += 1
@@ -376,9 +406,25 @@ class H2OLayer(CacheLayerMixin):
             self.inv_freq = self.inv_freq.to(self.kv.device)
         rank = self.token_ids.argsort(dim=-1).argsort(dim=-1)
         target = self.n_seen - self.n_slots + rank
-        rotate_keys(self.keys, target - self.positions, self.inv_freq)
+        if self.kv.dtype != CODES:
+            rotate_keys(self.keys, target - self.positions, self.inv_freq)
+        else:  # int8 keys: widened, rotated, quantized again (one more rounding per re-lay)
+            n, acc = self.n_slots, self.acc
+            keys = dequantize(self.keys, acc[KEY_SCALE, :, :, :n], acc[KEY_ZERO, :, :, :n], acc.dtype)
+            rotate_keys(keys, target - self.positions, self.inv_freq)
+            self.keys[:], acc[KEY_SCALE, :, :, :n], acc[KEY_ZERO, :, :, :n] = quantize(keys, acc.dtype)
         self.positions.copy_(target)
         self.roll_floor = self.n_seen - self.n_slots
+
+    def _new_slots(self, keys, values):
+        """New keys, values [b, h, n, head_dim] as slots hold them: kv [2, b, h, n, head_dim] (int8
+        for int8 slots) and acc [acc_rows, b, h, n] (score and queries zero, then the scales and
+        zero points)."""
+        kv, acc_dtype = torch.stack((keys, values)), score_dtype(keys.dtype)
+        if self.config.kv_quant == "none":
+            return kv, kv.new_zeros(N_ACC, *kv.shape[1:4], dtype=acc_dtype)
+        codes, scales, zeros = quantize(kv, acc_dtype)
+        return codes, torch.cat((scales.new_zeros(N_ACC, *scales.shape[1:]), scales, zeros))
 
     def _new_meta(self, b, h, n, n_sink, pins):
         """[N_META, b, h, n]: the meta of the next n tokens."""
@@ -393,11 +439,16 @@ class H2OLayer(CacheLayerMixin):
         filled in place (what `_new_meta` gives for n = 1, without its temporaries)."""
         slot = self.n_slots
         kv, meta = self.kv[:, :, :, slot], self.meta[..., slot]  # [2, b, h, d], [N_META, b, h]
-        kv[0].copy_(keys[:, :, 0])
-        kv[1].copy_(values[:, :, 0])
         meta[IDS : KEY + 1].fill_(self.n_seen)  # its id, its position, its protection key
         if never_evicted(self.n_seen, n_sink, pins):
             meta[KEY].fill_(torch.iinfo(meta.dtype).max)
+        if self.kv.dtype == CODES:
+            new_kv, new_acc = self._new_slots(keys, values)
+            kv.copy_(new_kv[:, :, :, 0])
+            self.acc[..., slot].copy_(new_acc[..., 0])
+            return
+        kv[0].copy_(keys[:, :, 0])
+        kv[1].copy_(values[:, :, 0])
         self.acc[..., slot].fill_(0)
 
 
@@ -456,7 +507,9 @@ class H2OCache(Cache):
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.dtype = model.dtype
         self._unattended = None  # the layer whose update() has not been followed by its attend() yet
-        super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions) for _ in range(n_layers)])
+        self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
+        super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions, self.wide)
+                                 for _ in range(n_layers)])
 
     # --- what users and the ledger read -------------------------------------------------------
     def token_ids(self, layer_idx):
@@ -481,12 +534,26 @@ class H2OCache(Cache):
         return None if pos is None else pos.long()
 
     def kv_bytes(self):
-        """Bytes of keys and values held now (live slots only)."""
-        return sum(2 * layer.keys.nelement() * layer.keys.element_size() for layer in self.layers if layer.kv is not None)
+        """Bytes of keys and values held now (live slots only; int8 slots with their scales and zero
+        points). The
+        scratch int8 slots are widened into for attention (one layer's, `WideScratch`) is not counted."""
+        total = 0
+        for layer in self.layers:
+            if layer.kv is not None:
+                total += 2 * layer.keys.nelement() * layer.keys.element_size()
+                if layer.kv.dtype == CODES:  # a scale and a zero point for each key and value
+                    total += 4 * layer.scores.nelement() * layer.acc.element_size()
+        return total
+
+    @property
+    def kv_width(self):
+        """How keys and values are stored, in words: "int8", or the model's dtype ("bfloat16")."""
+        return "int8" if self.config.kv_quant == "int8" else width_name(self.dtype)
 
     def full_kv_bytes(self):
-        """Bytes a cache that never evicts would hold for the tokens seen so far."""
-        per_token = sum(2 * layer.keys[0, :, :1].nelement() * layer.keys.element_size()
+        """Bytes a cache that never evicts would hold for the tokens seen so far, at the model's width
+        (DynamicCache's)."""
+        per_token = sum(2 * layer.keys[0, :, :1].nelement() * self.dtype.itemsize
                         for layer in self.layers if layer.kv is not None)
         return per_token * self.get_seq_length()
 
@@ -515,7 +582,8 @@ class H2OCache(Cache):
     def export_state(self, snapshot):
         """A `snapshot()` as (tensors, info) for a file (chat/saved_kv.py): per layer i that holds
         anything `layer.{i}.kv` [2, batch, kv_heads, capacity, head_dim] and `layer.{i}.meta`
-        [N_META + N_ACC, batch, kv_heads, capacity] (integers: the scores travel as their bits), and
+        [N_META + acc rows, batch, kv_heads, capacity] (integers: the scores, and int8 slots' scales,
+        travel as their bits), and
         `layer.counts` [layers, 3] (n_seen, n_slots, roll_floor); info: the pins and resolved
         limits, plain values. The kv tensors are the snapshot's own (no copy); meta is packed anew."""
         layers, pins, limits = snapshot
@@ -539,8 +607,9 @@ class H2OCache(Cache):
                              f"{len(self.layers)}")
         limits = read_limits(info.get("limits"), self.config, len(self.layers))
         pins = read_pins(info.get("pins"))
+        kv_dtype = CODES if self.config.kv_quant == "int8" else self.dtype
         layers = [H2OLayer.state_from(tensors.get(f"layer.{i}.kv"), tensors.get(f"layer.{i}.meta"), row,
-                                      self.kv_heads, self.head_dim, self.dtype, limits and limits.layer(i))
+                                      self.kv_heads, self.head_dim, self.dtype, limits and limits.layer(i), kv_dtype)
                   for i, row in enumerate(counts.tolist())]
         if len({state[0] for state in layers}) > 1:
             raise ValueError("its layers have seen different numbers of tokens")
@@ -647,6 +716,11 @@ class H2OCache(Cache):
                 f"H2OCache(positions='absolute'): the conversation has passed the model's "
                 f"{self.max_positions} trained positions; quality will degrade. Use positions='rolling' "
                 f"to keep every distance within the budget.", stacklevel=3)
+
+
+def width_name(dtype):
+    """torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def read_limits(value, config: CacheConfig, n_layers):

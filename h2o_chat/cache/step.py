@@ -1,35 +1,24 @@
 """A layer's slots in memory, and the decode step over them: the hot path, once per token per layer.
 
 Three packed buffers per layer, so the fields that move together move in one copy:
-    kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype
+    kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype (or int8)
     meta  [N_META, batch, kv_heads, capacity]       integers (int32; int64 for a float64 model):
           token id, RoPE position, protection key (see policy.protection_key)
     acc   [N_ACC, batch, kv_heads, capacity]        the score dtype (float32; float64): the
-          attention mass each slot received and the queries that could see it
-Each is a tensor of its own dtype, never a view of another's memory in a second dtype, so a
-compiler can read them (inductor refuses a mutated input viewed as two dtypes). A saved state
-packs meta and acc into one integer tensor as the file format has always held them
-(h2o.pack_meta, h2o.unpack_meta).
-
-Once a bounded layer holds `budget` slots, its buffers have budget + 1: the last is the spare. A
-decode step writes the new token into the spare (`DecodeStep.write_spare`), attends over every
-slot, adds the mass to the scores, picks one victim per row and head and moves the spare into it
-("cache replace", FlexGen's H2O): `attend_and_replace`, about twenty batched ops into the views
-and scratch buffers of a `DecodeStep`, made once. No allocation, no host sync.
-
-One conversation is batch row 0 of its own buffers (H2OLayer); several conversations stacked as
-rows of shared ones (chat/batch.py) run the same step, with `StackedRows` saying what differs.
+          attention mass each slot received and the queries that could see it; int8 slots
+          (CacheConfig.kv_quant) add four rows: their scales and zero points (kv_int8.py)
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from . import kv_int8
 from .policy import heavy_score
 
 IDS, POS, KEY = range(3)  # rows of a layer's meta buffer
 N_META = 3
-SCORE, QUERIES = range(2)  # rows of its acc buffer
+SCORE, QUERIES = range(2)  # rows of its acc buffer (int8 slots add kv_int8's rows after them)
 N_ACC = 2
 INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # the meta dtype for each score dtype: same width
 
@@ -37,6 +26,11 @@ INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # the meta dt
 def score_dtype(model_dtype):
     """Scores add up in at least float32, like transformers' softmax."""
     return torch.promote_types(model_dtype, torch.float32)
+
+
+def acc_rows(kv_dtype):
+    """How many rows a layer's acc buffer has for slots stored in `kv_dtype`."""
+    return N_ACC + kv_int8.N_ROWS if kv_dtype == kv_int8.CODES else N_ACC
 
 
 @dataclass(frozen=True)
@@ -72,11 +66,11 @@ class DecodeStep:
     spare_v: torch.Tensor
     spare_kv: torch.Tensor  # [2, b, h, 1, d]
     spare_meta: torch.Tensor  # [N_META, b, h, 1]
-    spare_acc4: torch.Tensor  # [N_ACC, b, h, 1]
+    spare_acc4: torch.Tensor  # [acc rows, b, h, 1]
     spare_ints: torch.Tensor  # [3, b, h]: the spare's id, position and protection key
     spare_key: torch.Tensor  # [b, h]
-    spare_acc: torch.Tensor  # [2, b, h]: its score and query count
-    keys_t: torch.Tensor  # [b*h, d, cap]
+    spare_acc: torch.Tensor  # [N_ACC, b, h]: its score and query count
+    keys_t: torch.Tensor  # [b*h, d, cap] (float slots: int8 ones are read through `int8`)
     values: torch.Tensor  # [b*h, cap, d]
     ids: torch.Tensor  # [b, h, cap]
     key: torch.Tensor  # [b, h, cap]
@@ -103,34 +97,37 @@ class DecodeStep:
     victim: torch.Tensor  # [b, h, 1] long
     stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
     stage_meta: torch.Tensor  # [N_META, b, h, 1]
-    stage_acc: torch.Tensor  # [N_ACC, b, h, 1]
+    stage_acc: torch.Tensor  # [acc rows, b, h, 1]
     stage_kv_flat: torch.Tensor  # [2, b*h, d]: views of the two above, as index_copy_ reads them
     stage_meta_flat: torch.Tensor  # [N_META, b*h]
-    stage_acc_flat: torch.Tensor  # [N_ACC, b*h]
+    stage_acc_flat: torch.Tensor  # [acc rows, b*h]
     kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
     meta_flat: torch.Tensor  # [N_META, b*h*cap]
-    acc_flat: torch.Tensor  # [N_ACC, b*h*cap]
+    acc_flat: torch.Tensor  # [acc rows, b*h*cap]
     slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
     victim_rows: torch.Tensor  # [b*h]: a view of victim
     flat_victim: torch.Tensor  # [b*h]
     out4: torch.Tensor  # [b, 1, q_heads, d]: a view of out, what attend returns
+    int8: kv_int8.Int8Step | None  # int8 slots: their views and scratch (None otherwise)
 
     @classmethod
-    def over(cls, kv, meta, acc_buf, query, scaling):
-        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [N_ACC, b, h, cap], query [b, q_heads, 1, d]."""
+    def over(cls, kv, meta, acc_buf, query, scaling, wide=None):
+        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [acc_rows, b, h, cap], query [b, q_heads, 1, d];
+        for int8 slots, wide [2, b*h, cap, d] in acc's dtype (a kv_int8.WideScratch's)."""
         _, b, h, cap, d = kv.shape
         group, spare = query.shape[1] // h, cap - 1
-        acc, dev = acc_buf.dtype, kv.device
-        out, victim = kv.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
+        acc, dev, low = acc_buf.dtype, kv.device, query.dtype
+        out, victim = query.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
         stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
-        stage_acc = acc_buf.new_empty(N_ACC, b, h, 1)
+        stage_acc = acc_buf.new_empty(acc_buf.shape[0], b, h, 1)
         return cls(
             group=group,
             spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
             spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:], spare_acc4=acc_buf[..., spare:],
             spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
-            spare_acc=acc_buf[:, :, :, spare],
+            spare_acc=acc_buf[:N_ACC, :, :, spare],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
+            int8=kv_int8.Int8Step.over(kv, acc_buf, query, wide) if kv.dtype == kv_int8.CODES else None,
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
             ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
@@ -139,12 +136,12 @@ class DecodeStep:
             id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
             spare_index=torch.tensor(spare, device=dev),
             threshold=torch.zeros((), dtype=meta.dtype, device=dev),
-            logits=kv.new_empty(b * h, group, cap),
+            logits=query.new_empty(b * h, group, cap),
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
-            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != kv.dtype else None,
+            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low else None,
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
-            probs_low=kv.new_empty(b * h, group, cap) if acc != kv.dtype else None,
+            probs_low=query.new_empty(b * h, group, cap) if acc != low else None,
             out=out, out4=out.view(b, 1, group * h, d),
             protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
@@ -153,11 +150,11 @@ class DecodeStep:
             victim=victim, victim_rows=victim.view(b * h),
             stage_kv=stage_kv, stage_meta=stage_meta, stage_acc=stage_acc,
             stage_kv_flat=stage_kv.view(2, b * h, d), stage_meta_flat=stage_meta.view(N_META, b * h),
-            stage_acc_flat=stage_acc.view(N_ACC, b * h),
+            stage_acc_flat=stage_acc.view(-1, b * h),
             # the victims as indices into the slots of every (row, head) laid end to end: one
             # index_copy_ moves the spare (a bf16 scatter_ along the slot dim is ~10x slower on CPU)
             kv_flat=kv.view(2, b * h * cap, d), meta_flat=meta.view(N_META, b * h * cap),
-            acc_flat=acc_buf.view(N_ACC, b * h * cap),
+            acc_flat=acc_buf.view(-1, b * h * cap),
             slot_base=torch.arange(0, b * h * cap, cap, device=dev),
             flat_victim=torch.empty(b * h, dtype=torch.long, device=dev),
         )
@@ -165,9 +162,12 @@ class DecodeStep:
     def write_spare(self, keys, values, next_id, kept_rows=()):
         """The new tokens [b, h, 1, d] into the spare slot: id and RoPE position `next_id` (an int
         for every row, or [b] per row), protected while recent, or for good in `kept_rows`; score
-        and query count zero."""
-        self.spare_k.copy_(keys)
-        self.spare_v.copy_(values)
+        and query count zero; int8 slots quantized."""
+        if self.int8 is None:
+            self.spare_k.copy_(keys)
+            self.spare_v.copy_(values)
+        else:
+            self.int8.write(keys, values)
         if isinstance(next_id, int):
             self.spare_ints.fill_(next_id)
         else:
@@ -184,14 +184,21 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     rows: None for one conversation, else what differs between stacked ones."""
     b, q_heads, _, d = query.shape
     bh = s.scores3.shape[0]
-    logits = torch.bmm(query.reshape(bh, s.group, d), s.keys_t, out=s.logits)  # a view unless rows > 1 come strided
-    if s.logits_acc is not None:
-        logits = s.logits_acc.copy_(logits)
-    logits.mul_(s.scale)
+    q = query.reshape(bh, s.group, d)  # a view unless rows > 1 come strided
+    if s.int8 is None:
+        logits = torch.bmm(q, s.keys_t, out=s.logits)
+        if s.logits_acc is not None:
+            logits = s.logits_acc.copy_(logits)
+        logits.mul_(s.scale)
+    else:
+        logits = s.int8.attention_logits(q, s.scale)
     if rows is not None and rows.empty is not None:
         logits.view(b, -1, s.group, logits.shape[-1]).masked_fill_(rows.empty[:, :, None], -torch.inf)
     probs = torch.softmax(logits, -1, out=s.probs)
-    torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
+    if s.int8 is None:
+        torch.bmm(probs if s.probs_low is None else s.probs_low.copy_(probs), s.values, out=s.out)
+    else:
+        s.out.copy_(s.int8.attention_output(probs))
     # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
     weights = s.ones if rows is None else rows.weights
     if config.score == "decay":

@@ -17,7 +17,7 @@ conversation's own thread, untouched.
 Stacking: an `Arena` per cache setting holds, per layer,
     kv    [2, rows, kv_heads, budget + 1, head_dim]
     meta  [N_META, rows, kv_heads, budget + 1]          (the layout of cache/step.py)
-    acc   [N_ACC, rows, kv_heads, budget + 1]
+    acc   [acc rows, rows, kv_heads, budget + 1]
 A joining conversation's buffers are copied into a free row, and its own H2OCache layers become
 views of that row: its snapshots, the panel's reads and its position roll keep working unchanged.
 When it leaves (its reply ended, or it sat out too many steps) the row is copied back into buffers
@@ -31,8 +31,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..cache.kv_int8 import WideScratch
 from ..cache.policy import never_evicted
-from ..cache.step import N_ACC, N_META, DecodeStep, StackedRows, attend_and_replace, score_dtype
+from ..cache.step import N_META, DecodeStep, StackedRows, attend_and_replace
 from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
@@ -214,7 +215,7 @@ class Batcher:
 def arena_key(cache):
     """What conversations must share to be stacked: how their caches score and evict (each layer's budget too)."""
     c, lim = cache.config, cache.limits
-    return c.policy, c.score, c.decay, c.positions, lim.budget, lim.n_sink, lim.n_recent, lim.layers
+    return c.policy, c.score, c.decay, c.positions, c.kv_quant, lim.budget, lim.n_sink, lim.n_recent, lim.layers
 
 
 class Arena:
@@ -223,8 +224,9 @@ class Arena:
     def __init__(self):
         self.members = []  # H2OCache per row
         self.idle = []  # steps each member has sat out in a row
-        self.kv = self.meta = self.acc = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META | N_ACC, rows, kv_heads, cap]
+        self.kv = self.meta = self.acc = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META | acc rows, rows, kv_heads, cap]
         self.steps = None  # per layer: the DecodeStep over the current number of rows
+        self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
 
     @property
     def rows(self):
@@ -287,7 +289,7 @@ class Arena:
             _, _, h, cap, d = layer.kv.shape
             kv.append(layer.kv.new_zeros(2, rows, h, cap, d))  # zeros: a free slot's value times 0 is 0, never NaN
             meta.append(layer.meta.new_zeros(N_META, rows, h, cap))
-            acc.append(layer.acc.new_zeros(N_ACC, rows, h, cap))
+            acc.append(layer.acc.new_zeros(layer.acc.shape[0], rows, h, cap))
             if self.kv:
                 kv[i][:, : self.rows].copy_(self.kv[i])
                 meta[i][:, : self.rows].copy_(self.meta[i])
@@ -331,7 +333,7 @@ class Arena:
         first = self.members[0]
         layer, lim, config = first.layers[0], first.limits, first.config
         _, _, h, _, _ = layer.kv.shape
-        n, dev, acc = len(self.members), layer.kv.device, score_dtype(layer.kv.dtype)
+        n, dev, acc = len(self.members), layer.kv.device, layer.acc.dtype
         on = torch.tensor(active, dtype=acc, device=dev)
         next_id = torch.tensor(n_seen, dtype=layer.meta.dtype, device=dev)
         rows = StackedRows(
@@ -407,6 +409,7 @@ class StackedCache(Cache):
         kv, meta, acc = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n], arena.acc[layer_idx][:, :n]
         step = arena.steps[layer_idx]
         if step is None:
-            step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, acc, query, scaling)
+            wide = arena.wide.for_slots(kv, acc.dtype)
+            step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, acc, query, scaling, wide)
         step.write_spare(keys, values, rows[layer_idx].next_id, rows[layer_idx].kept_rows)
         return attend_and_replace(step, query, arena.members[0].config, rows[layer_idx])

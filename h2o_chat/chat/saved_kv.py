@@ -116,8 +116,14 @@ def tag(text):
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+# settings added after caches were first saved, with the value a file written before them had:
+# written only when set otherwise, so a story saved before a setting existed still matches its settings
+LATER_SETTINGS = {"budget_shape": "uniform", "keep_template": False, "kv_quant": "none"}
+
+
 def config_text(config):
-    return json.dumps(asdict(config), sort_keys=True)
+    settings = {k: v for k, v in asdict(config).items() if k not in LATER_SETTINGS or v != LATER_SETTINGS[k]}
+    return json.dumps(settings, sort_keys=True)
 
 
 TOKENIZER_PROBE = ("The keeper's log, 1887: \"Storm at 03:40; the Heron's light seen NNE.\"\n\tNo sign since.  "

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from ..cache.config import CacheConfig
-from ..cache.h2o import PinRefused, pinned_slots
+from ..cache.h2o import PinRefused, pinned_slots, width_name
 from . import saved_kv, store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .limits import Limits
@@ -263,14 +263,15 @@ class ChatSession:
     def stats(self) -> dict:
         """tokens_seen (fed so far), tokens_processed (run through the model, replays included),
         slots_used (per layer and KV head), kv_bytes and full_kv_bytes (what a cache that never
-        evicts would hold), ttft_s and tokens_per_s of the last reply (None before one); live while
-        a reply streams."""
+        evicts would hold), kv_width and model_width (how keys and values are stored: "int8",
+        "bfloat16", ...; a full cache's at the model's), ttft_s and tokens_per_s of the last reply
+        (None before one); live while a reply streams."""
         t, cache = self.last_turn, self.cache
         timing = {"ttft_s": None, "tokens_per_s": None} if t is None else \
             {"ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
         return {"tokens_seen": cache.get_seq_length(), "tokens_processed": self.timeline.tokens_processed,
                 "slots_used": cache.slots_used(None), "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
-                **timing}
+                "kv_width": cache.kv_width, "model_width": width_name(cache.dtype), **timing}
 
     # --- replies: generators that do their work when iterated ---------------------------------
     def send(self, text: str, role: str = "user", tool_call_id: str | None = None) -> Iterator[str]:

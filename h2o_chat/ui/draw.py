@@ -218,13 +218,15 @@ def memory_rows(stats, budget):
     if n == 0:
         return []
     per_token = stats["full_kv_bytes"] / n  # a token's keys and values in every layer and KV head
+    # this cache's slot: the same at the model's width, about half of it for int8 slots
+    per_slot = stats["kv_bytes"] / stats["slots_used"] if stats["slots_used"] else per_token
     budgets = budget if isinstance(budget, tuple) else (budget,)
     xs = sorted({0, n} | {b for b in budgets if b is not None and b < n})
     rows = []
     for x in xs:
         held = x if budget is None else sum(min(x, b) for b in budgets) / len(budgets)  # slots per head, mean
         slots = int(held)
-        kv = stats["kv_bytes"] if x == n else held * per_token
+        kv = stats["kv_bytes"] if x == n else held * per_slot
         if x == n:
             slots = stats["slots_used"]
         rows.append({"tokens seen": x, "cache": SERIES[0], "KV MiB": round(kv / 2**20, 3), "slots per head": slots})
@@ -284,8 +286,8 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=N
     if live is not None and ttft is not None:
         timing += " · streaming"  # the figures of a reply still being written (the finished line has none)
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
-            f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** (a full cache: {stats['full_kv_bytes'] / 2**20:.1f} MiB, "
-            f"{saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "")
+            f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** in {stats['kv_width']} (a full cache: "
+            f"{stats['full_kv_bytes'] / 2**20:.1f} MiB in {stats['model_width']}, {saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "")
             + f"\n\n{view_counts(retention, layer, head)}")
 
 
