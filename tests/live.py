@@ -116,7 +116,7 @@ def save_tiny_chat(folder, never_ends=False):
 STREAMED = ("conversation_id", "chat", "marks", "saved", "legend", "token_map", "retention_map", "stats", "memory", "slots",
             "heavy")
 FIELDS = ("system_prompt", "pin_system_prompt", "temperature", "top_p", "max_new_tokens", "policy", "budget", "n_recent", "n_sink",
-          "score", "positions", "keep_template")
+          "score", "positions", "keep_template", "kv_quant")
 
 
 def shown(result):

@@ -109,7 +109,7 @@ def test_two_clients_chat_at_once_without_seeing_each_other(app_url):
 def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     client = Client(app_url, verbose=False)
     send(client, "Hello there")
-    job = client.submit("sink", 24, 8, 4, "sum", "rolling", False, api_name="/apply_cache")
+    job = client.submit("sink", 24, 8, 4, "sum", "rolling", False, "none", api_name="/apply_cache")
     out = shown(job.result(timeout=CALL_DEADLINE_S))
     (applied,) = warnings_of(job, "info")  # Apply says what it did
     assert applied.startswith("Cache applied: sink, budget 24, recent window 8, 4 sinks") and "replayed" in applied
@@ -119,7 +119,7 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     n = int(re.search(r"\*\*([\d,]+)\*\* tokens seen", out["stats"]).group(1).replace(",", ""))
     this = [(row[0], row[3]) for row in out["memory"]["value"]["data"] if row[1] == "this cache"]
     assert this == [(0, 0), (24, 24), (n, 24)]  # the whole history redrawn for the new cache: the knee at 24
-    job = client.submit("h2o", 0, 8, 4, "sum", "rolling", False, api_name="/apply_cache")
+    job = client.submit("h2o", 0, 8, 4, "sum", "rolling", False, "none", api_name="/apply_cache")
     bad = shown(job.result(timeout=CALL_DEADLINE_S))
     assert "**24** slots per head" in bad["stats"]  # an impossible budget changes nothing ...
     assert left_as_typed(bad["policy"]) and left_as_typed(bad["budget"])  # ... and what was typed stays typed
@@ -127,7 +127,7 @@ def test_changing_the_cache_replays_the_chat_and_the_fields_show_it(app_url):
     job = client.submit("You are terse.", 0.7, 0.9, -5, api_name="/sampling")  # issue 34: after a refused budget
     job.result(timeout=CALL_DEADLINE_S)
     assert warnings_of(job) == ["Generation not applied: max new tokens must be at least 1, got -5"]
-    job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", False, api_name="/apply_cache")
+    job = client.submit("h2o", 10**9, 8, 4, "sum", "rolling", False, "none", api_name="/apply_cache")
     huge = shown(job.result(timeout=CALL_DEADLINE_S))  # issue 25, 2: accepted, then "can't allocate ..." for good
     (warning,) = warnings_of(job)
     assert "a budget of 1,000,000,000 slots needs" in warning and "the budget can be at most" in warning

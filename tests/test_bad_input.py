@@ -996,7 +996,7 @@ def test_the_app_keeps_valid_text_exactly(app, text):
                                                                   "sinks-plus-recent-over"))
 def test_the_app_refuses_invalid_cache_settings(app, budget, n_recent, n_sink, match):
     client, before = tab_with_one_exchange(app[0])
-    out = shown(warned(client, "/apply_cache", "h2o", budget, n_recent, n_sink, "sum", "rolling", False, match=match))
+    out = shown(warned(client, "/apply_cache", "h2o", budget, n_recent, n_sink, "sum", "rolling", False, "none", match=match))
     assert texts(out["chat"]) == before
     assert "**48** slots per head" in out["stats"]  # the cache is as it was ...
     assert all(left_as_typed(out[name]) for name in ("budget", "n_recent", "n_sink"))  # ... and nothing typed is lost
@@ -1010,7 +1010,7 @@ def test_the_app_refuses_a_budget_that_is_not_a_number(app):
 
     client, before = tab_with_one_exchange(app[0])
     with pytest.raises(AppError, match="'lots'"):  # Gradio's own check on a number field (API only)
-        call(client, "h2o", "lots", 8, 2, "sum", "rolling", False, api_name="/apply_cache")
+        call(client, "h2o", "lots", 8, 2, "sum", "rolling", False, "none", api_name="/apply_cache")
     app_goes_on(client, before)
 
 
