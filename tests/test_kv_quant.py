@@ -161,6 +161,9 @@ def test_the_stats_line_and_the_memory_chart_show_the_width(tiny_chat):
     stats, shown = session.stats, draw.panel(session, maps=False)
     assert stats["tokens_seen"] > 48 and stats["kv_width"] == "int8" and stats["model_width"] == "float32"
     assert "in int8 (a full cache: " in shown["stats"] and " MiB in float32, " in shown["stats"]
+    session.configure(cache=dict(policy="h2o", budget=48, n_sink=2))  # the model's width: said once
+    stats_line = draw.panel(session, maps=False)["stats"]
+    assert " in float32 (a full cache: " in stats_line and stats_line.count("float32") == 1
     this = {r["tokens seen"]: r["KV MiB"] for r in shown["memory"] if r["cache"] == draw.SERIES[0]}
     full = {r["tokens seen"]: r["KV MiB"] for r in shown["memory"] if r["cache"] == draw.SERIES[1]}
     # the knee at this cache's own bytes a slot (int8 codes and four floats), not the full width's

@@ -280,6 +280,7 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=N
     of the last finished turn's. weights: which weights run (models.quantize.weights_label)."""
     saved = 1 - stats["kv_bytes"] / stats["full_kv_bytes"] if stats["full_kv_bytes"] else 0.0
     ttft, speed = live if live is not None else (stats["ttft_s"], stats["tokens_per_s"])
+    full_width = "" if stats["kv_width"] == stats["model_width"] else f" in {stats['model_width']}"  # said once when the same
     timing = ("no reply yet since it was opened" if live is None and ttft is None else
               "TTFT … · waiting for the first token" if ttft is None else
               f"TTFT {seconds(ttft)} · {speed:.1f} tokens/s" if speed is not None else f"TTFT {seconds(ttft)}")
@@ -287,7 +288,7 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=N
         timing += " · streaming"  # the figures of a reply still being written (the finished line has none)
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** in {stats['kv_width']} (a full cache: "
-            f"{stats['full_kv_bytes'] / 2**20:.1f} MiB in {stats['model_width']}, {saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "")
+            f"{stats['full_kv_bytes'] / 2**20:.1f} MiB{full_width}, {saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "")
             + f"\n\n{view_counts(retention, layer, head)}")
 
 
