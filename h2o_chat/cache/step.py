@@ -84,7 +84,7 @@ class DecodeStep:
     id_max: torch.Tensor
     spare_index: torch.Tensor
     threshold: torch.Tensor
-    logits: torch.Tensor  # [b*h, g, cap] model dtype
+    logits: torch.Tensor | None  # [b*h, g, cap] model dtype (None for int8 slots: `int8` has its own)
     logits_acc: torch.Tensor | None  # [b*h, g, cap] acc, for a model whose dtype is not acc
     probs: torch.Tensor  # [b*h, g, cap] acc
     probs_low: torch.Tensor | None  # [b*h, g, cap] model dtype
@@ -120,6 +120,7 @@ class DecodeStep:
         out, victim = query.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
         stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
         stage_acc = acc_buf.new_empty(acc_buf.shape[0], b, h, 1)
+        float_slots = kv.dtype != kv_int8.CODES  # int8 slots attend through their own buffers (kv_int8.Int8Step)
         return cls(
             group=group,
             spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
@@ -127,7 +128,7 @@ class DecodeStep:
             spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
             spare_acc=acc_buf[:N_ACC, :, :, spare],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            int8=kv_int8.Int8Step.over(kv, acc_buf, query, wide) if kv.dtype == kv_int8.CODES else None,
+            int8=None if float_slots else kv_int8.Int8Step.over(kv, acc_buf, query, wide),
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
             ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
@@ -136,12 +137,12 @@ class DecodeStep:
             id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
             spare_index=torch.tensor(spare, device=dev),
             threshold=torch.zeros((), dtype=meta.dtype, device=dev),
-            logits=query.new_empty(b * h, group, cap),
+            logits=query.new_empty(b * h, group, cap) if float_slots else None,
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
-            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low else None,
+            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low and float_slots else None,
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
-            probs_low=query.new_empty(b * h, group, cap) if acc != low else None,
+            probs_low=query.new_empty(b * h, group, cap) if acc != low and float_slots else None,
             out=out, out4=out.view(b, 1, group * h, d),
             protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
