@@ -393,7 +393,7 @@ def test_eviction_ties_keep_the_newer_token():
     priority = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0]]])
     protected = ids == 0
     from h2o_chat.cache.policy import protection_key, select_keep
-    from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, SCORE, DecodeStep, attend_and_replace
+    from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, SCORE, DecodeStep, StepRows, attend_and_replace
 
     assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
     # the decode step, the same slots plus token 6 in the spare slot: a query of zeros adds the same
@@ -404,9 +404,11 @@ def test_eviction_ties_keep_the_newer_token():
     acc[SCORE, :, :, :6] = priority
     query = torch.zeros(1, 1, 1, 4)
     step = DecodeStep.over(kv, meta, acc, query, scaling=1.0)
-    step.write_spare(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), next_id=6)
-    step.threshold.fill_(6)  # n_seen 7, one recent token: the new one
-    attend_and_replace(step, query, CacheConfig(policy="h2o", budget=6, n_sink=1, n_recent=1))
+    # token 6 (n_seen 7 after it), one recent token: the new one
+    rows = StepRows.make([6], [False], [True], kv_heads=1, group=1, n_recent=1, decay=1.0, meta_dtype=torch.int32,
+                         acc_dtype=torch.float32, device="cpu")
+    step.write_spare(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), rows)
+    attend_and_replace(step, query, CacheConfig(policy="h2o", budget=6, n_sink=1, n_recent=1), rows)
     assert meta[IDS, 0, 0, :6].tolist() == [0, 5, 3, 6, 4, 2]
     assert kv[0, 0, 0, 3].tolist() == [1.0] * 4
 

@@ -46,6 +46,7 @@ from .step import (
     QUERIES,
     SCORE,
     DecodeStep,
+    StepRows,
     acc_rows,
     attend_and_replace,
     score_dtype,
@@ -310,11 +311,10 @@ class H2OLayer(CacheLayerMixin):
     # --- one forward step -------------------------------------------------------------------------
     def attend(self, keys, values, query, scaling, limits: Budget, pins):
         """This step's new keys, values [batch, kv_heads, n, head_dim] and queries [batch, q_heads,
-        n, head_dim] -> attention output [batch, n, q_heads, head_dim], scoring and evicting."""
+        n, head_dim] -> attention output [batch, n, q_heads, head_dim], scoring and evicting, chunk
+        by chunk (`decode` is the step of a full layer)."""
         self.refresh_protection(limits.n_sink, pins)
         n, chunk = keys.shape[2], self.config.prefill_chunk
-        if n == 1 and self.n_slots == limits.budget:
-            return self.decode_step(keys, values, query, scaling, limits, pins)
         outs = [self.attend_chunk(keys[:, :, s : s + chunk], values[:, :, s : s + chunk], query[:, :, s : s + chunk],
                                   scaling, limits, pins) for s in range(0, n, chunk)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -363,23 +363,24 @@ class H2OLayer(CacheLayerMixin):
             self.maybe_roll(limits)
         return out
 
-    def decode_step(self, keys, values, query, scaling, limits, pins):
-        """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a layer holding
-        `budget` slots. Returns [batch, 1, q_heads, head_dim]."""
+    def make_step(self, q_heads, dtype, scaling):
+        """The decode step's views and scratch over this layer's buffers, made once (the host's part:
+        a compiled step never sees one made). Queries of `q_heads` heads in `dtype`."""
         if self.step is None:
-            wide = self.wide.for_slots(self.kv, self.acc.dtype)
-            self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling, wide)
-        every_row = slice(None)
-        self.step.write_spare(keys, values, self.n_seen, [every_row] if never_evicted(self.n_seen, limits.n_sink, pins) else ())
-        self.n_seen += 1
-        self.step.threshold.fill_(self.n_seen - limits.n_recent)
-        out = attend_and_replace(self.step, query, self.config)
-        self.maybe_roll(limits)
-        return out
+            b, h, _, d = self.keys.shape
+            query = torch.empty(b, q_heads, 1, d, dtype=dtype, device=self.kv.device)  # what a query looks like
+            self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling, self.wide.for_slots(self.kv, self.acc.dtype))
+
+    def decode(self, keys, values, query, rows: StepRows):
+        """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a full layer, the host's
+        part prepared (`make_step`, `rows`: H2OCache.begin, or a batch's). Tensor work only: `advance`
+        counts the token afterwards. Returns [batch, 1, q_heads, head_dim]."""
+        self.step.write_spare(keys, values, rows)
+        return attend_and_replace(self.step, query, self.config, rows)
 
     def advance(self, limits):
-        """A batched step (chat/batch.py) wrote one token into this layer's slots through the arena's
-        views: count it (a free slot was filled while below the budget) and re-lay positions if due."""
+        """After a decode step (`decode`, alone or in a batch) wrote one token into the slots: count it
+        (a free slot was filled while below the budget) and re-lay positions if due."""
         self.n_seen += 1
         if self.n_slots < limits.budget:
             self.n_slots += 1
@@ -504,9 +505,12 @@ class H2OCache(Cache):
         inv_freq = model.base_model.rotary_emb.inv_freq.detach().float()
         # what a saved state must match (import_state): the shape and dtype of the keys this model writes
         self.kv_heads = text_config.num_key_value_heads
+        self.group = text_config.num_attention_heads // self.kv_heads  # query heads per KV head
+        self.scaling = model.base_model.layers[0].self_attn.scaling  # the attention's, for the decode step
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.dtype = model.dtype
         self._unattended = None  # the layer whose update() has not been followed by its attend() yet
+        self._rows = None  # [layers] StepRows while a decode step of full layers runs (begin to end)
         self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
         super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions, self.wide)
                                  for _ in range(n_layers)])
@@ -679,26 +683,58 @@ class H2OCache(Cache):
     def begin(self, n_new):
         """Before a forward of `n_new` tokens reaches layer 0: the budget resolved (a fraction is
         resolved at the first input), and a warning once the conversation passes the trained
-        positions with positions='absolute'."""
+        positions with positions='absolute'. One token into full layers takes the decode step:
+        its host part is done here (`decode_rows`), so what runs between `begin` and `end` is
+        tensor work only, the same at every token."""
         if self.limits is None:
             self.limits = self.config.resolve(n_new, len(self.layers))
         self.check_positions(self.layers[0].n_seen + n_new)
+        self._rows = self.decode_rows() if n_new == 1 and self.is_full() else None
 
     def attend(self, layer_idx, query, keys, values, scaling):
         """One layer's step: its new keys, values [batch, kv_heads, n, head_dim] written in, the
         queries [batch, q_heads, n, head_dim] attended over every slot, scored, evicted; returns
-        [batch, n, q_heads, head_dim]. `begin(n)` comes first, once per forward."""
+        [batch, n, q_heads, head_dim]. `begin(n)` comes first, once per forward, and `end()` after
+        the last layer."""
         self._unattended = None
+        if self._rows is not None:
+            return self.layers[layer_idx].decode(keys, values, query, self._rows[layer_idx])
         return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits.layer(layer_idx), self.pins)
 
-    def before_batched_step(self):
-        """chat/batch.py is about to step this cache's layers by one token through an arena's views:
-        their protection keys follow the pins, and a conversation past the trained positions warns."""
+    def end(self):
+        """After a forward's last layer: a decode step's tokens counted, positions re-laid if due."""
+        if self._rows is not None:
+            self._rows = None
+            self.advance()
+
+    def is_full(self):
+        """Every layer holds its budget: a new token evicts one (the decode step's steady state)."""
+        lim = self.limits
+        return lim is not None and lim.budget is not None and all(
+            layer.kv is not None and layer.n_slots == lim.layer(i).budget for i, layer in enumerate(self.layers))
+
+    def prepare_decode(self):
+        """The host's part of a decode step, alone or in a batch: protection keys that follow the pins,
+        and a warning for a conversation past the trained positions."""
         self.check_positions(self.layers[0].n_seen + 1)
         for layer in self.layers:
             layer.refresh_protection(self.limits.n_sink, self.pins)
 
-    def after_batched_step(self):
+    def decode_rows(self):
+        """[layers] StepRows for this cache's next token, every row of its batch stepping (and each
+        layer's decode step made)."""
+        self.prepare_decode()
+        for layer in self.layers:
+            layer.make_step(self.group * self.kv_heads, self.dtype, self.scaling)
+        layer, lim = self.layers[0], self.limits
+        b, n_seen = layer.kv.shape[1], layer.n_seen
+        rows = StepRows.make([n_seen] * b, [never_evicted(n_seen, lim.n_sink, self.pins)] * b, [True] * b,
+                             self.kv_heads, self.group, lim.n_recent, self.config.decay, layer.meta.dtype,
+                             layer.acc.dtype, layer.kv.device)
+        return [rows] * len(self.layers)
+
+    def advance(self):
+        """Count a decode step's token in every layer (after `end`, or a batch's step)."""
         for i, layer in enumerate(self.layers):
             layer.advance(self.limits.layer(i))
 

@@ -92,7 +92,10 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return cache.attend(module.layer_idx, query, key, value, scaling), None
+    out = cache.attend(module.layer_idx, query, key, value, scaling)
+    if module.layer_idx == len(cache.layers) - 1:
+        cache.end()  # the forward's last layer: the cache's host work after a step
+    return out, None
 
 
 def register():

@@ -34,25 +34,46 @@ def acc_rows(kv_dtype):
 
 
 @dataclass(frozen=True)
-class StackedRows:
-    """What differs between the rows of one batched step (conversations stacked by chat/batch.py),
-    shared by every layer. b rows, h KV heads, g query heads per KV head, cap = budget + 1 slots.
+class StepRows:
+    """What differs between the rows of one decode step, made on the host before it (`make`) and
+    read by every layer: one row for a conversation alone, several for conversations stacked by
+    chat/batch.py. b rows, h KV heads, g query heads per KV head, cap = budget + 1 slots.
 
-    next_id [b] the new token's id per row; kept_rows: rows whose new token is never evicted (a sink
-    of a short chat, or pinned); threshold [b, 1, 1]: a slot is protected while its key is >= it;
-    weights [b*h, 1, g]: 1, or 0 for a row that sits this step out; beta [b*h, 1, 1]: the decay, 1
-    for those rows; query_add [b, 1, 1]: the queries a "mean" score counts; empty [b, 1, cap] bool or
-    None: free slots of a conversation still below its budget (never attended, filled first); idle
-    [b, 1, 1] bool or None: rows whose spare moves onto itself, so nothing of theirs changes."""
+    ints [N_META, b, h]: the new token's id, RoPE position and protection key per row (the key is
+    the largest value for a token never evicted: a sink of a short chat, or pinned); threshold
+    [b, 1, 1]: a slot is protected while its key is >= it; weights [b*h, 1, g]: 1, or 0 for a row
+    that sits this step out; beta [b*h, 1, 1]: the decay, 1 for those rows; query_add [b, 1, 1]:
+    the queries a "mean" score counts; empty [b, 1, cap] bool or None: free slots of a
+    conversation still below its budget (never attended, filled first); idle [b, 1, 1] bool or
+    None: rows whose spare moves onto itself, so nothing of theirs changes.
 
-    next_id: torch.Tensor
-    kept_rows: list
+    Everything that changes from token to token is a tensor here, so a compiled step sees the
+    same graph at every token (the host decides the rest: position re-rolls, pins)."""
+
+    ints: torch.Tensor
     threshold: torch.Tensor
     weights: torch.Tensor
     beta: torch.Tensor
     query_add: torch.Tensor
-    empty: torch.Tensor | None
-    idle: torch.Tensor | None
+    empty: torch.Tensor | None = None
+    idle: torch.Tensor | None = None
+
+    @classmethod
+    def make(cls, n_seen, kept, active, kv_heads, group, n_recent, decay, meta_dtype, acc_dtype, device):
+        """n_seen [b] ints: the tokens each row has seen (the new token's id); kept [b] bools: its
+        new token is never evicted; active [b] bools (False: the row sits this step out)."""
+        b, h, id_max = len(n_seen), kv_heads, torch.iinfo(meta_dtype).max
+        keys = [id_max if k else s for s, k in zip(n_seen, kept)]
+        ints = torch.tensor([n_seen, n_seen, keys], dtype=meta_dtype, device=device)
+        on = torch.tensor(active, dtype=acc_dtype, device=device)
+        return cls(
+            ints=ints.view(N_META, b, 1).expand(N_META, b, h),
+            threshold=torch.tensor([s + 1 - n_recent for s in n_seen], dtype=meta_dtype, device=device).view(b, 1, 1),
+            weights=on.view(b, 1, 1, 1).expand(b, h, 1, group).reshape(b * h, 1, group),
+            beta=(1 + on * (decay - 1)).view(b, 1, 1, 1).expand(b, h, 1, 1).reshape(b * h, 1, 1),
+            query_add=on.view(b, 1, 1),
+            idle=None if all(active) else (on == 0).view(b, 1, 1),
+        )
 
 
 @dataclass(frozen=True)
@@ -77,13 +98,10 @@ class DecodeStep:
     scores: torch.Tensor  # [b, h, cap] acc
     queries: torch.Tensor  # [b, h, cap] acc
     scores3: torch.Tensor  # [b*h, 1, cap] acc
-    ones: torch.Tensor  # [b*h, 1, g]: one conversation's weights
     scale: torch.Tensor  # 0-d tensors, so no op makes one from a Python number
-    one: torch.Tensor
     inf: torch.Tensor
     id_max: torch.Tensor
     spare_index: torch.Tensor
-    threshold: torch.Tensor
     logits: torch.Tensor | None  # [b*h, g, cap] model dtype (None for int8 slots: `int8` has its own)
     logits_acc: torch.Tensor | None  # [b*h, g, cap] acc, for a model whose dtype is not acc
     probs: torch.Tensor  # [b*h, g, cap] acc
@@ -131,12 +149,9 @@ class DecodeStep:
             int8=None if float_slots else kv_int8.Int8Step.over(kv, acc_buf, query, wide),
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
-            ones=torch.ones(1, 1, group, dtype=acc, device=dev).expand(b * h, 1, group),
-            scale=torch.tensor(scaling, dtype=acc, device=dev),
-            one=torch.ones((), dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
+            scale=torch.tensor(scaling, dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
             id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
             spare_index=torch.tensor(spare, device=dev),
-            threshold=torch.zeros((), dtype=meta.dtype, device=dev),
             logits=query.new_empty(b * h, group, cap) if float_slots else None,
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
@@ -160,29 +175,22 @@ class DecodeStep:
             flat_victim=torch.empty(b * h, dtype=torch.long, device=dev),
         )
 
-    def write_spare(self, keys, values, next_id, kept_rows=()):
-        """The new tokens [b, h, 1, d] into the spare slot: id and RoPE position `next_id` (an int
-        for every row, or [b] per row), protected while recent, or for good in `kept_rows`; score
-        and query count zero; int8 slots quantized."""
+    def write_spare(self, keys, values, rows: StepRows):
+        """The new tokens [b, h, 1, d] into the spare slot: id, RoPE position and protection key
+        from `rows`, score and query count zero; int8 slots quantized."""
         if self.int8 is None:
             self.spare_k.copy_(keys)
             self.spare_v.copy_(values)
         else:
             self.int8.write(keys, values)
-        if isinstance(next_id, int):
-            self.spare_ints.fill_(next_id)
-        else:
-            self.spare_ints.copy_(next_id.view(1, -1, 1).expand_as(self.spare_ints))
-        for row in kept_rows:
-            self.spare_key[row].fill_(self.id_max)
+        self.spare_ints.copy_(rows.ints)
         self.spare_acc.fill_(0)
 
 
-def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = None):
-    """The decode step once the new token sits in the spare slot (`write_spare`, and s.threshold set
-    for one conversation): attend over every slot, add the mass to the scores, pick one victim per
-    row and head and move the spare into it. query [b, q_heads, 1, d] -> [b, 1, q_heads, d].
-    rows: None for one conversation, else what differs between stacked ones."""
+def attend_and_replace(s: DecodeStep, query, config, rows: StepRows):
+    """The decode step once the new token sits in the spare slot (`write_spare`): attend over every
+    slot, add the mass to the scores, pick one victim per row and head and move the spare into it.
+    query [b, q_heads, 1, d] -> [b, 1, q_heads, d]."""
     b, q_heads, _, d = query.shape
     bh = s.scores3.shape[0]
     q = query.reshape(bh, s.group, d)  # a view unless rows > 1 come strided
@@ -193,7 +201,7 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
         logits.mul_(s.scale)
     else:
         logits = s.int8.attention_logits(q, s.scale)
-    if rows is not None and rows.empty is not None:
+    if rows.empty is not None:
         logits.view(b, -1, s.group, logits.shape[-1]).masked_fill_(rows.empty[:, :, None], -torch.inf)
     probs = torch.softmax(logits, -1, out=s.probs)
     if s.int8 is None:
@@ -201,18 +209,13 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
     else:
         s.out.copy_(s.int8.attention_output(probs))
     # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
-    weights = s.ones if rows is None else rows.weights
     if config.score == "decay":
-        if rows is None:
-            s.scores3.baddbmm_(weights, probs, beta=config.decay)
-        else:
-            s.scores3.mul_(rows.beta).baddbmm_(weights, probs)
-    else:
-        s.scores3.baddbmm_(weights, probs)
+        s.scores3.mul_(rows.beta)
+    s.scores3.baddbmm_(rows.weights, probs)
     if config.score == "mean":
-        s.queries.add_(s.one if rows is None else rows.query_add)
+        s.queries.add_(rows.query_add)
     # the victim: the unprotected slot of lowest priority, the older token on ties
-    torch.ge(s.key, s.threshold if rows is None else rows.threshold, out=s.protected)
+    torch.ge(s.key, rows.threshold, out=s.protected)
     if config.policy == "h2o":
         priority = heavy_score(s.scores, s.queries, config.score)
         torch.where(s.protected, s.inf, priority, out=s.rank)
@@ -221,10 +224,10 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StackedRows | None = 
         torch.where(s.is_lowest, s.ids, s.id_max, out=s.tiebreak)
     else:  # window, sink: the oldest unprotected token
         torch.where(s.protected, s.id_max, s.ids, out=s.tiebreak)
-    if rows is not None and rows.empty is not None:
+    if rows.empty is not None:
         s.tiebreak.masked_fill_(rows.empty, -1)  # a free slot is taken before any token is evicted
     torch.argmin(s.tiebreak, -1, keepdim=True, out=s.victim)
-    if rows is not None and rows.idle is not None:
+    if rows.idle is not None:
         torch.where(rows.idle, s.spare_index, s.victim, out=s.victim)
     # cache replace: the spare slot (copied out first: a source may not alias its target)
     s.stage_kv.copy_(s.spare_kv)

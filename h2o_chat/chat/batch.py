@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.kv_int8 import WideScratch
 from ..cache.policy import never_evicted
-from ..cache.step import N_META, DecodeStep, StackedRows, attend_and_replace
+from ..cache.step import N_META, DecodeStep, StepRows, attend_and_replace
 from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
@@ -313,43 +313,38 @@ class Arena:
         dev = first.layers[0].kv.device
         dummy = torch.zeros(1, 1, dtype=torch.long, device=dev)
         input_ids = torch.cat([asked[id(c)].input_ids if id(c) in asked else dummy for c in self.members])
-        n_seen = [c.layers[0].n_seen for c in self.members]
         for cache in self.members:
-            cache.before_batched_step()
-        text = decoder.model.config.get_text_config(decoder=True)
-        rows = self._row_state(n_seen, active, text.num_attention_heads // text.num_key_value_heads)
+            cache.prepare_decode()
+        rows = self._row_state(active)
         if self.steps is None:
-            self.steps = [None] * len(self.kv)
-        stacked = StackedCache(self, rows, n)
-        logits = decoder.step(input_ids, torch.tensor(n_seen, device=dev), stacked)
+            self.steps = [self._decode_step(i, n) for i in range(len(self.kv))]
+        stacked = StackedCache(self, rows)
+        n_seen = torch.tensor([c.layers[0].n_seen for c in self.members], device=dev)
+        logits = decoder.step(input_ids, n_seen, stacked)
         for cache, on in zip(self.members, active):
             if on:
-                cache.after_batched_step()
+                cache.advance()
         return logits
 
-    def _row_state(self, n_seen, active, group):
-        """What differs between the rows of one step (see attend_and_replace), per layer: the same
-        StackedRows for every layer, but for the free slots of layers whose budgets differ."""
+    def _decode_step(self, i, n):
+        """Layer i's DecodeStep over rows [0, n), made on the host before the step runs."""
         first = self.members[0]
-        layer, lim, config = first.layers[0], first.limits, first.config
-        _, _, h, _, _ = layer.kv.shape
-        n, dev, acc = len(self.members), layer.kv.device, layer.acc.dtype
-        on = torch.tensor(active, dtype=acc, device=dev)
-        next_id = torch.tensor(n_seen, dtype=layer.meta.dtype, device=dev)
-        rows = StackedRows(
-            next_id=next_id,
-            # rows whose new token is never evicted: a sink (a chat shorter than n_sink) or pinned
-            kept_rows=[r for r, c in enumerate(self.members) if active[r] and never_evicted(n_seen[r], lim.n_sink, c.pins)],
-            threshold=(next_id + 1 - lim.n_recent).view(n, 1, 1),
-            weights=on.view(n, 1, 1, 1).expand(n, h, 1, group).reshape(n * h, 1, group),
-            beta=(1 + on * (config.decay - 1)).view(n, 1, 1, 1).expand(n, h, 1, 1).reshape(n * h, 1, 1),  # in acc
-            query_add=on.view(n, 1, 1),
-            empty=self._empty_slots(0),
-            idle=None if all(active) else (on == 0).view(n, 1, 1),
-        )
+        kv, meta, acc = self.kv[i][:, :n], self.meta[i][:, :n], self.acc[i][:, :n]
+        query = torch.empty(n, first.group * first.kv_heads, 1, kv.shape[-1], dtype=first.dtype, device=kv.device)
+        return DecodeStep.over(kv, meta, acc, query, first.scaling, self.wide.for_slots(kv, acc.dtype))
+
+    def _row_state(self, active):
+        """Layer i's StepRows: what differs between the rows of one step, the same for every layer
+        but for the free slots of layers whose budgets differ."""
+        first = self.members[0]
+        layer, lim = first.layers[0], first.limits
+        n_seen = [c.layers[0].n_seen for c in self.members]
+        kept = [a and never_evicted(s, lim.n_sink, c.pins) for a, s, c in zip(active, n_seen, self.members)]
+        rows = StepRows.make(n_seen, kept, active, first.kv_heads, first.group, lim.n_recent, first.config.decay,
+                             layer.meta.dtype, layer.acc.dtype, layer.kv.device)
         if lim.layers is None:
-            return [rows] * len(first.layers)
-        return [rows] + [replace(rows, empty=self._empty_slots(i)) for i in range(1, len(first.layers))]
+            return [replace(rows, empty=self._empty_slots(0))] * len(first.layers)
+        return [replace(rows, empty=self._empty_slots(i)) for i in range(len(first.layers))]
 
     def _empty_slots(self, i):
         """[rows, 1, cap] bool: layer i's free slots, [n_slots, budget) of each row; None when every row is full."""
@@ -389,10 +384,10 @@ class StackedLayer(CacheLayerMixin):
 
 class StackedCache(Cache):
     """The cache one batched decode step runs with: rows [0, n) of an arena, one token each;
-    `rows[i]`, layer i's StackedRows."""
+    `rows[i]`, layer i's StepRows."""
 
-    def __init__(self, arena, rows, n):
-        self.arena, self.rows, self.n = arena, rows, n
+    def __init__(self, arena, rows):
+        self.arena, self.rows = arena, rows
         super().__init__(layers=[StackedLayer() for _ in arena.kv])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -400,16 +395,14 @@ class StackedCache(Cache):
         return key_states, value_states
 
     def begin(self, n_new):
-        """Nothing to resolve: the arena made its members ready (Arena.step)."""
+        """Nothing to prepare: the arena made its members ready (Arena.step)."""
 
     def attend(self, layer_idx, query, keys, values, scaling):
         """query [rows, q_heads, 1, head_dim], keys, values [rows, kv_heads, 1, head_dim] ->
         [rows, 1, q_heads, head_dim]."""
-        arena, rows, n = self.arena, self.rows, self.n
-        kv, meta, acc = arena.kv[layer_idx][:, :n], arena.meta[layer_idx][:, :n], arena.acc[layer_idx][:, :n]
-        step = arena.steps[layer_idx]
-        if step is None:
-            wide = arena.wide.for_slots(kv, acc.dtype)
-            step = arena.steps[layer_idx] = DecodeStep.over(kv, meta, acc, query, scaling, wide)
-        step.write_spare(keys, values, rows[layer_idx].next_id, rows[layer_idx].kept_rows)
-        return attend_and_replace(step, query, arena.members[0].config, rows[layer_idx])
+        step, rows = self.arena.steps[layer_idx], self.rows[layer_idx]
+        step.write_spare(keys, values, rows)
+        return attend_and_replace(step, query, self.arena.members[0].config, rows)
+
+    def end(self):
+        """Nothing to count here: the arena advances its members (Arena.step)."""

@@ -18,8 +18,8 @@ matmuls: one for q/k/v and one for gate/up per layer (quantize.fuse_projections)
 and the lm_head read at 4.5 bits. Its logits equal the model's own forward's (tests/test_decode.py,
 tests/test_quantized.py).
 
-The cache is anything with `begin(n)` and `attend(layer_idx, query, keys, values, scaling)`,
-called directly (transformers' `update` and attention hook are for the model's own forward): an
+The cache is anything with `begin(n)`, `attend(layer_idx, query, keys, values, scaling)` per
+layer and `end()`, called directly (transformers' `update` and attention hook are for the model's own forward): an
 `H2OCache` (any state: filling, full, or `policy="full"`) or a batch of them (batch.py). For a
 model it cannot run exactly (bitsandbytes or offloaded weights, dynamic RoPE, another
 activation), a Decoder calls the model's own forward instead; `Decoder.why_not` says why.
@@ -90,17 +90,28 @@ class Decoder:
     def step(self, token_ids, positions, cache):
         """token_ids [rows, 1], each at RoPE position positions [rows] (the tokens its cache has
         seen) -> logits [rows, vocab] float32. The cache is called directly: `begin(1)`, then
-        per layer `attend(layer, query, keys, values, scaling)`."""
+        per layer `attend(layer, query, keys, values, scaling)`, then `end()`."""
         if self.why_not is not None:
             out = self.model(token_ids, position_ids=positions[:, None], cache=cache, logits_to_keep=1)
             return out.logits[:, -1].float()
+        cache.begin(1)
+        logits = self.layers_step(token_ids, positions, cache, self.scratch(token_ids.shape[0], token_ids.device))
+        cache.end()
+        return logits
+
+    def scratch(self, rows, device):
+        """The norms' buffers for a step of `rows` rows, made at the first one."""
+        return self._scratch.get(rows) or self._scratch.setdefault(rows, Scratch.make(rows, self.hidden, self.norm.dtype,
+                                                                                     self.eps, device))
+
+    def layers_step(self, token_ids, positions, cache, scratch):
+        """The tensor work of `step`, between the cache's `begin` and `end`: no host sync, no Python
+        branch on a value that changes from token to token, so a compiler sees one graph for every
+        token of a full cache (tests/test_decode.py counts its recompiles)."""
         rows, d, heads = token_ids.shape[0], self.head_dim, (self.q_heads, self.kv_heads)
         x = self.embed(token_ids).view(rows, self.hidden)
         cos, sin_flip = self.rotation(positions, x.dtype)  # [rows, 1, 1, head_dim]
         halves = (rows, -1, 1, 2, d // 2)
-        scratch = self._scratch.get(rows) or self._scratch.setdefault(
-            rows, Scratch.make(rows, self.hidden, x.dtype, self.eps, x.device))
-        cache.begin(1)
         for i, w in enumerate(self.layers):
             y = w.qkv(rms_norm(x, w.input_norm, scratch))
             qk = (y[:, w.qk] if w.qk is not None else torch.cat((y[:, w.q], y[:, w.k]), dim=-1)).view(rows, -1, 1, d)
