@@ -69,7 +69,8 @@ class StepRows:
         return cls(
             ints=ints.view(N_META, b, 1).expand(N_META, b, h),
             threshold=torch.tensor([s + 1 - n_recent for s in n_seen], dtype=meta_dtype, device=device).view(b, 1, 1),
-            weights=on.view(b, 1, 1, 1).expand(b, h, 1, group).reshape(b * h, 1, group),
+            # contiguous: a batch matrix of all-zero strides sends baddbmm_ down a slow path (an addmm per head)
+            weights=on.view(b, 1, 1, 1).expand(b, h, 1, group).contiguous().view(b * h, 1, group),
             beta=(1 + on * (decay - 1)).view(b, 1, 1, 1).expand(b, h, 1, 1).reshape(b * h, 1, 1),
             query_add=on.view(b, 1, 1),
             idle=None if all(active) else (on == 0).view(b, 1, 1),
