@@ -185,7 +185,7 @@ def run_script(decoder, model, tokens, phase=100, **settings):
     return torch.stack(out), a, b
 
 
-def test_a_compiled_step_never_recompiles():
+def test_a_compiled_step_never_recompiles_over_2000_tokens():
     # issue 32: "no recompiles as tokens, positions, pins and rows change". 2,000 tokens: one graph
     # for A alone, one for A and B stacked, one for a step where B sits out; tokens, positions,
     # evictions, a pin, position re-rolls and rows joining and leaving add none. The counting
@@ -197,8 +197,7 @@ def test_a_compiled_step_never_recompiles():
         return graph.forward
 
     model = make_tiny_llama(torch.float32)
-    decoder = Decoder(model)
-    decoder.layers_step = torch.compile(decoder.layers_step, backend=counting, dynamic=False)
+    decoder = Decoder(model).compile(backend=counting)
     with torch.no_grad():
         run_script(decoder, model, 2000)
     assert len(graphs) == 3
@@ -209,11 +208,26 @@ def test_the_compiled_step_computes_what_the_eager_one_does():
     # inductor's kernels (float32) against the eager step over 500 tokens of the same script: logits
     # within 1e-5, and the same tokens kept in every layer of both conversations
     model = make_tiny_llama(torch.float32)
-    compiled = Decoder(model)
-    compiled.layers_step = torch.compile(compiled.layers_step, dynamic=False)
+    compiled = Decoder(model).compile()
     with torch.no_grad():
         eager_logits, *eager_caches = run_script(Decoder(model), model, 500, phase=125)
         compiled_logits, *compiled_caches = run_script(compiled, model, 500, phase=125)
     assert torch.allclose(compiled_logits, eager_logits, rtol=0, atol=1e-5)
     for eager, comp in zip(eager_caches, compiled_caches):
         assert all(torch.equal(eager.token_ids(i), comp.token_ids(i)) for i in range(len(eager.layers)))
+
+def test_a_compiled_decoder_runs_a_filling_cache_eagerly():
+    # below its budget a layer's slots grow every token: those steps run eagerly (no graph for
+    # each size); the compiled step starts with the first token of full layers
+    graphs = []
+    model = make_tiny_llama(torch.float32)
+    decoder = Decoder(model).compile(backend=lambda graph, inputs: graphs.append(graph) or graph.forward)
+    cache = H2OCache(model, budget=12, n_sink=2, n_recent=4)
+    with torch.no_grad():
+        model(torch.arange(8)[None], cache=cache)
+        full_steps = 0
+        for t in range(8):
+            full_steps += cache.is_full()
+            decoder.step(torch.tensor([[t]]), torch.tensor([cache.get_seq_length()]), cache)
+            assert len(graphs) == min(full_steps, 1)
+    assert full_steps == 4  # 8 + 4 tokens fill the 12 slots: the last four steps ran compiled

@@ -66,14 +66,15 @@ def user_turns(path, n, cycle=False):
 # Caches
 
 LEAN = "+lean"
+COMPILED = "+compiled"  # the lean step with its tensor work compiled (Decoder.compile)
 
 
 def make_cache(model, method, budget, **settings):
     """'dynamic' (transformers' DynamicCache), 'full', 'window', 'sink', 'h2o' or 'h2o-<score>',
-    each with ':int8' for int8 keys and values (CacheConfig.kv_quant; 'h2o:int8'); a '+lean' suffix,
-    see decode.py's `decode_step`, makes the same cache. `settings` are CacheConfig's (n_sink=,
+    each with ':int8' for int8 keys and values (CacheConfig.kv_quant; 'h2o:int8'); a '+lean' or
+    '+compiled' suffix, see decode.py's `decode_step`, makes the same cache. `settings` are CacheConfig's (n_sink=,
     positions=, prefill_chunk=...); the ones not given are its defaults."""
-    method, _, width = method.removesuffix(LEAN).partition(":")
+    method, _, width = method.removesuffix(LEAN).removesuffix(COMPILED).partition(":")
     if method == "dynamic":
         return DynamicCache()
     policy, _, score = method.partition("-")

@@ -17,14 +17,18 @@ from tqdm import tqdm
 from ..models.decode import Decoder
 from ..models.load import load_model
 from ..models.quantize import weights_label
-from .common import LEAN, kv_bytes, make_cache, text_tokens, write_plot, write_results
+from .common import COMPILED, LEAN, kv_bytes, make_cache, text_tokens, write_plot, write_results
 
 
 def decode_step(model, method):
     """`step(token [batch, 1], cache) -> next greedy token [batch, 1]` for `method`: the model's own
-    forward, or for a '+lean' method ('h2o+lean') models/decode.py's lean step, what the app runs."""
-    if method.endswith(LEAN):
+    forward, or for a '+lean' method ('h2o+lean') models/decode.py's lean step, what the app runs;
+    '+compiled': the lean step with its tensor work compiled by inductor (`Decoder.compile`: its
+    first full step compiles, minutes on a CPU)."""
+    if method.endswith((LEAN, COMPILED)):
         decoder = Decoder(model)
+        if method.endswith(COMPILED):
+            decoder.compile()
         if decoder.why_not:
             raise SystemExit(f"bench: {method}: the lean step cannot run this model ({decoder.why_not})")
         return lambda token, cache: decoder.forward(token, cache).argmax(-1, keepdim=True)
@@ -47,7 +51,7 @@ def run(args):
     arms = [(q, m) for m in args.methods for q in args.quantization]
     rows = []
     for seen in tqdm(args.seen, desc="tokens seen"):
-        caches, tokens, times = {}, {}, {arm: [] for arm in arms}
+        caches, tokens, first, times = {}, {}, {}, {arm: [] for arm in arms}
         steps = {(q, m): decode_step(models[q][0], m) for q, m in arms}
         for q, m in arms:
             model = models[q][0]
@@ -55,7 +59,7 @@ def run(args):
             caches[q, m] = make_cache(model, "h2o" if m == "h2o-noevict" else m, budget=budget)
             with torch.no_grad():
                 tokens[q, m] = model(text[:, :seen], cache=caches[q, m]).logits[:, -1:].argmax(-1)
-            tokens[q, m], _ = greedy_steps(steps[q, m], tokens[q, m], caches[q, m], 1)  # warm-up step, untimed
+            tokens[q, m], first[q, m] = greedy_steps(steps[q, m], tokens[q, m], caches[q, m], 1)  # warm-up, apart
         for _ in range(args.repeats):
             for arm in arms:
                 tokens[arm], seconds = greedy_steps(steps[arm], tokens[arm], caches[arm], args.steps)
@@ -66,15 +70,16 @@ def run(args):
             rows.append({"seen": seen, "quantization": q, "method": m, "ms_per_token": round(1000 * t, 2),
                          "tokens_per_s": round(1 / t, 2), f"vs_{args.methods[0]}": f"{base_method / t:.2f}x",
                          f"vs_{args.quantization[0]}": f"{t / base_weights:.2f}x",
-                         "kv_MiB": round(kv_bytes(caches[q, m]) / 2**20, 2)})
+                         "kv_MiB": round(kv_bytes(caches[q, m]) / 2**20, 2), "first_step_s": round(first[q, m], 2)})
             print(rows[-1], flush=True)
         del caches
     meta = {"command": args.command_line, "budget": args.budget, "steps": args.steps, "repeats": args.repeats,
             "threads": torch.get_num_threads(), "dtype": {q: str(m.dtype) for q, (m, _) in models.items()},
             "weights": {q: weights_label(m) for q, (m, _) in models.items()},
-            "note": f"vs_{args.quantization[0]}: ms per token against the {args.quantization[0]} weights' (same method)"}
+            "note": f"vs_{args.quantization[0]}: ms per token against the {args.quantization[0]} weights' (same method); "
+                    "first_step_s: the untimed first step (a '+compiled' arm compiles in it)"}
     columns = ["seen", "quantization", "method", "ms_per_token", "tokens_per_s", f"vs_{args.methods[0]}",
-               f"vs_{args.quantization[0]}", "kv_MiB"]
+               f"vs_{args.quantization[0]}", "kv_MiB", "first_step_s"]
     write_results(args.out, "decode", rows, columns, meta)
     for row in rows:
         row["arm"] = f"{row['method']} {row['quantization']}"

@@ -707,6 +707,12 @@ class H2OCache(Cache):
             self._rows = None
             self.advance()
 
+    @property
+    def static_step(self):
+        """Between `begin(1)` and `end()`: this step is the decode step of full layers, whose shapes
+        are the same at every token (what a compiled step needs)."""
+        return self._rows is not None
+
     def is_full(self):
         """Every layer holds its budget: a new token evicts one (the decode step's steady state)."""
         lim = self.limits

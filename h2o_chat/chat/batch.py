@@ -386,6 +386,8 @@ class StackedCache(Cache):
     """The cache one batched decode step runs with: rows [0, n) of an arena, one token each;
     `rows[i]`, layer i's StepRows."""
 
+    static_step = True  # every layer of every row holds budget + 1 slots
+
     def __init__(self, arena, rows):
         self.arena, self.rows = arena, rows
         super().__init__(layers=[StackedLayer() for _ in arena.kv])

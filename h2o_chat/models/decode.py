@@ -76,6 +76,7 @@ class Decoder:
         self.lm_head = lean_call(model.lm_head, dtype)
         self.layers = [layer_calls(layer, self.head_dim, dtype) for layer in base.layers]
         self._scratch = {}  # rows -> Scratch: a Decoder runs one step at a time
+        self._compiled = None  # layers_step compiled (`compile`), run for a cache with static shapes
 
     @torch.no_grad()
     def forward(self, input_ids, cache):
@@ -95,9 +96,19 @@ class Decoder:
             out = self.model(token_ids, position_ids=positions[:, None], cache=cache, logits_to_keep=1)
             return out.logits[:, -1].float()
         cache.begin(1)
-        logits = self.layers_step(token_ids, positions, cache, self.scratch(token_ids.shape[0], token_ids.device))
+        layers_step = self._compiled if self._compiled is not None and cache.static_step else self.layers_step
+        logits = layers_step(token_ids, positions, cache, self.scratch(token_ids.shape[0], token_ids.device))
         cache.end()
         return logits
+
+    def compile(self, **options):
+        """Compile the tensor work of a step (`layers_step`) with torch.compile (`options` its own,
+        e.g. mode="reduce-overhead" for CUDA graphs), for caches whose step has the same shapes at
+        every token (`cache.static_step`: full layers, or a batch); others run it eagerly. It
+        compiles at the first such step. Returns self."""
+        if self.why_not is None:
+            self._compiled = torch.compile(self.layers_step, dynamic=False, **options)
+        return self
 
     def scratch(self, rows, device):
         """The norms' buffers for a step of `rows` rows, made at the first one."""
