@@ -231,3 +231,22 @@ def test_a_compiled_decoder_runs_a_filling_cache_eagerly():
             decoder.step(torch.tensor([[t]]), torch.tensor([cache.get_seq_length()]), cache)
             assert len(graphs) == min(full_steps, 1)
     assert full_steps == 4  # 8 + 4 tokens fill the 12 slots: the last four steps ran compiled
+
+
+# aten ops of one decode step of the tiny float32 model (2 layers, full: it evicts), nested ones
+# counted, as `bench ops` counts them: a ratchet, so a change that adds ops to the hot path fails
+# here (a view with all-zero strides once sent baddbmm_ down an addmm per head: +1,177 ops a token
+# on the embedded model). Lower the figure when a change removes some.
+@pytest.mark.parametrize("kv_quant,most", [("none", 367), ("int8", 413)])
+def test_a_decode_step_runs_no_more_ops_than_it_did(kv_quant, most):
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_tiny_llama(torch.float32)
+    cache, decoder = H2OCache(model, budget=12, n_sink=2, n_recent=4, kv_quant=kv_quant), Decoder(model)
+    with torch.no_grad():
+        model(torch.arange(20)[None], cache=cache)
+        for t in range(3):  # past the first step's one-off work (views, scratch)
+            decoder.step(torch.tensor([[t]]), torch.tensor([cache.get_seq_length()]), cache)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decoder.step(torch.tensor([[5]]), torch.tensor([cache.get_seq_length()]), cache)
+    assert sum(e.name.startswith("aten::") for e in prof.events()) <= most

@@ -9,6 +9,7 @@ Three packed buffers per layer, so the fields that move together move in one cop
           (CacheConfig.kv_quant) add four rows: their scales and zero points (kv_int8.py)
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,20 +62,37 @@ class StepRows:
     @classmethod
     def make(cls, n_seen, kept, active, kv_heads, group, n_recent, decay, meta_dtype, acc_dtype, device):
         """n_seen [b] ints: the tokens each row has seen (the new token's id); kept [b] bools: its
-        new token is never evicted; active [b] bools (False: the row sits this step out)."""
+        new token is never evicted; active [b] bools (False: the row sits this step out). One
+        tensor for the integers, and the weights made once for rows that all step: a handful of
+        ops a token (a torch.tensor from a list is six)."""
         b, h, id_max = len(n_seen), kv_heads, torch.iinfo(meta_dtype).max
         keys = [id_max if k else s for s, k in zip(n_seen, kept)]
-        ints = torch.tensor([n_seen, n_seen, keys], dtype=meta_dtype, device=device)
-        on = torch.tensor(active, dtype=acc_dtype, device=device)
-        return cls(
-            ints=ints.view(N_META, b, 1).expand(N_META, b, h),
-            threshold=torch.tensor([s + 1 - n_recent for s in n_seen], dtype=meta_dtype, device=device).view(b, 1, 1),
-            # contiguous: a batch matrix of all-zero strides sends baddbmm_ down a slow path (an addmm per head)
-            weights=on.view(b, 1, 1, 1).expand(b, h, 1, group).contiguous().view(b * h, 1, group),
-            beta=(1 + on * (decay - 1)).view(b, 1, 1, 1).expand(b, h, 1, 1).reshape(b * h, 1, 1),
-            query_add=on.view(b, 1, 1),
-            idle=None if all(active) else (on == 0).view(b, 1, 1),
-        )
+        thresholds = [s + 1 - n_recent for s in n_seen]
+        ints = torch.tensor([n_seen, n_seen, keys, thresholds], dtype=meta_dtype, device=device)
+        if all(active):
+            weights, beta, query_add = every_row_steps(b, h, group, decay, acc_dtype, device)
+        else:
+            on = torch.tensor(active, dtype=acc_dtype, device=device)
+            weights, beta, query_add = row_weights(on, h, group, decay)
+        return cls(ints=ints[:N_META].view(N_META, b, 1).expand(N_META, b, h), threshold=ints[N_META].view(b, 1, 1),
+                   weights=weights, beta=beta, query_add=query_add,
+                   idle=None if all(active) else (query_add == 0))
+
+
+def row_weights(on, h, group, decay):
+    """on [b]: 1 for a row that steps, 0 for one that sits out -> (weights [b*h, 1, g], beta [b*h, 1, 1],
+    query_add [b, 1, 1]), as StepRows holds them."""
+    b = on.shape[0]
+    # contiguous: a batch matrix of all-zero strides sends baddbmm_ down a slow path (an addmm per head)
+    weights = on.view(b, 1, 1, 1).expand(b, h, 1, group).contiguous().view(b * h, 1, group)
+    beta = (1 + on * (decay - 1)).view(b, 1, 1, 1).expand(b, h, 1, 1).reshape(b * h, 1, 1)
+    return weights, beta, on.view(b, 1, 1)
+
+
+@functools.cache
+def every_row_steps(b, h, group, decay, acc_dtype, device):
+    """`row_weights` for b rows that all step, made once per shape (never written: StepRows only reads them)."""
+    return row_weights(torch.ones(b, dtype=acc_dtype, device=device), h, group, decay)
 
 
 @dataclass(frozen=True)
