@@ -689,7 +689,7 @@ class H2OCache(Cache):
         if self.limits is None:
             self.limits = self.config.resolve(n_new, len(self.layers))
         self.check_positions(self.layers[0].n_seen + n_new)
-        self._rows = self.decode_rows() if n_new == 1 and self.is_full() else None
+        self._rows = self.decode_rows() if n_new == 1 and self.limits.budget is not None else None
 
     def attend(self, layer_idx, query, keys, values, scaling):
         """One layer's step: its new keys, values [batch, kv_heads, n, head_dim] written in, the
@@ -697,27 +697,36 @@ class H2OCache(Cache):
         [batch, n, q_heads, head_dim]. `begin(n)` comes first, once per forward, and `end()` after
         the last layer."""
         self._unattended = None
-        if self._rows is not None:
-            return self.layers[layer_idx].decode(keys, values, query, self._rows[layer_idx])
+        rows = self._rows and self._rows[layer_idx]
+        if rows is not None:
+            return self.layers[layer_idx].decode(keys, values, query, rows)
         return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits.layer(layer_idx), self.pins)
 
     def end(self):
-        """After a forward's last layer: a decode step's tokens counted, positions re-laid if due."""
-        if self._rows is not None:
-            self._rows = None
-            self.advance()
+        """After a forward's last layer: the token counted in the layers that took the decode step
+        (the others counted it as they wrote it), positions re-laid if due."""
+        rows, self._rows = self._rows, None
+        for i, layer in enumerate(self.layers if rows is not None else ()):
+            if rows[i] is not None:
+                layer.advance(self.limits.layer(i))
 
     @property
     def static_step(self):
-        """Between `begin(1)` and `end()`: this step is the decode step of full layers, whose shapes
-        are the same at every token (what a compiled step needs)."""
-        return self._rows is not None
+        """Between `begin(1)` and `end()`: every layer takes the decode step of a full layer, whose
+        shapes are the same at every token (what a compiled step needs)."""
+        return self._rows is not None and all(rows is not None for rows in self._rows)
+
+    def full_layers(self):
+        """[layers] bools: the layer holds its budget, so a new token evicts one (the decode step's
+        steady state)."""
+        lim = self.limits
+        if lim is None or lim.budget is None:
+            return [False] * len(self.layers)
+        return [layer.kv is not None and layer.n_slots == lim.layer(i).budget for i, layer in enumerate(self.layers)]
 
     def is_full(self):
-        """Every layer holds its budget: a new token evicts one (the decode step's steady state)."""
-        lim = self.limits
-        return lim is not None and lim.budget is not None and all(
-            layer.kv is not None and layer.n_slots == lim.layer(i).budget for i, layer in enumerate(self.layers))
+        """Every layer holds its budget."""
+        return all(self.full_layers())
 
     def prepare_decode(self):
         """The host's part of a decode step, alone or in a batch: protection keys that follow the pins,
@@ -727,17 +736,22 @@ class H2OCache(Cache):
             layer.refresh_protection(self.limits.n_sink, self.pins)
 
     def decode_rows(self):
-        """[layers] StepRows for this cache's next token, every row of its batch stepping (and each
-        layer's decode step made)."""
+        """[layers] StepRows for this cache's next token, every row of its batch stepping, None for
+        a layer below its budget (it takes the general path); None when no layer is full. Each full
+        layer's decode step is made here."""
+        full = self.full_layers()
+        if not any(full):
+            return None
         self.prepare_decode()
-        for layer in self.layers:
-            layer.make_step(self.group * self.kv_heads, self.dtype, self.scaling)
         layer, lim = self.layers[0], self.limits
         b, n_seen = layer.kv.shape[1], layer.n_seen
         rows = StepRows.make([n_seen] * b, [never_evicted(n_seen, lim.n_sink, self.pins)] * b, [True] * b,
                              self.kv_heads, self.group, lim.n_recent, self.config.decay, layer.meta.dtype,
                              layer.acc.dtype, layer.kv.device)
-        return [rows] * len(self.layers)
+        for layer, is_full in zip(self.layers, full):
+            if is_full:
+                layer.make_step(self.group * self.kv_heads, self.dtype, self.scaling)
+        return [rows if is_full else None for is_full in full]
 
     def advance(self):
         """Count a decode step's token in every layer (after `end`, or a batch's step)."""
