@@ -10,6 +10,7 @@ WIDTH, HEIGHT = 760, 440
 LEFT, RIGHT, TOP, BOTTOM = 70, 230, 40, 60  # margins: the legend sits in the right one
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
           "#bcbd22", "#000000", "#aec7e8", "#98df8a", "#ff9896"]
+REFERENCE = "#555555"  # a dashed reference line (the full cache)
 
 
 def nice_ticks(low, high, count=5):
@@ -64,7 +65,7 @@ def line_chart(series, title, x_label, y_label, dashed=(), y_max=None):
     out.append(f'<text class="y-label" x="18" y="{TOP + plot_h / 2:.1f}" text-anchor="middle" '
                f'transform="rotate(-90 18 {TOP + plot_h / 2:.1f})">{escape(y_label)}</text>')
     for i, (label, pts) in enumerate(series.items()):
-        color, pts = COLORS[i % len(COLORS)], sorted(pts)
+        color, pts = REFERENCE if label in dashed else COLORS[i % len(COLORS)], sorted(pts)
         dash = ' stroke-dasharray="6 4"' if label in dashed else ""
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
         out.append(f'<polyline data-series="{escape(label)}" points="{coords}" fill="none" stroke="{color}" '
