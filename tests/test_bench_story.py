@@ -58,6 +58,24 @@ def test_degenerate_flags_the_collapse_seen_and_not_plain_prose():
     assert degenerate("a,b;c:d." * 10, 40)  # under 2.5 characters a token
 
 
+def test_degenerate_passes_hyphenated_english_and_still_flags_fragment_runs():
+    # the four replies docs/story-fidelity.md read as false positives: English words joined by
+    # hyphens, each part a word (short ones like "I", "of", "in" are words too)
+    english = ["her great-great-great-great-great-great-great-great-great-grandfather, who sailed",
+               'they called her "Mira-I-Love-The-Clan-Your-Self" and laughed',
+               "Icy-boil-our-daily-life, she said",
+               "a hag-burgh-the-farce-like tale",
+               "a state-of-the-art, up-to-the-minute, son-in-law-to-be report"]
+    for text in english:
+        assert not degenerate(text, 14), text
+    # what was flagged and read as degenerate: fragments that are not words, two or more in a run
+    collapsed = ["Ere-ry-Mer-Euse-A-Ar and then", "Si-U-I-O-I-WIZAR-D-O-R-O!", "lo-hek-ki-l-k-ar-o-ra-le,",
+                 "shak-k-a-l-le,", "God...Munk-ne-ez-bedz-lo", '"Wilde-thre-dall-s-ar-owe.',
+                 "exe-chira-c-e-l-a-m-le", "JEl-El-El-El-El-El-JIMMI"]
+    for text in collapsed:
+        assert degenerate(text, 12), text
+
+
 @pytest.mark.live
 @pytest.mark.slow
 def test_bench_story_reuses_the_previous_reply_every_turn(tmp_path):

@@ -18,10 +18,10 @@ options and helpers are cli.py's).
 
 import sys
 
-from . import compress, ppl, summarize, template_ppl
+from . import compress, memory, ppl, summarize, template_ppl
 from .cli import add_quick, apply_quick, base_parser, cache_flag, name_list, quantization_flag
 from .common import SHAKESPEARE
-from .peers import kvpress
+from .peers import kvpress, openvino
 
 
 def numbers(text):
@@ -64,10 +64,28 @@ def main(argv=None):
     p.add_argument("--file", required=True, help="jsonl: article (the whole prompt), summary_gt, max_tokens, "
                                                  "temperature, stop (and top_p)")
     p.add_argument("--fractions", type=numbers, default=[0.1, 0.2, 0.5], help="budgets as fractions of each prompt")
-    p.add_argument("--methods", type=name_list, default=summarize.SUMMARIZE_METHODS)
+    p.add_argument("--memory", type=memory.memory_points, default=None,
+                   help="instead of --fractions: fractions of the full cache's KV bytes for each prompt (0.1,0.2,0.5); "
+                        "each arm keeps the most slots whose bytes fit, a slot's bytes measured (the model's width, "
+                        "or int8 codes plus float32 scales and zero points for a method named with ':int8'); "
+                        "decoding becomes greedy")
+    p.add_argument("--methods", type=name_list, default=summarize.SUMMARIZE_METHODS,
+                   help="full, h2o, window, sink; ':int8' after one stores its slots as int8 (h2o:int8)")
+    p.add_argument("--openvino", nargs="?", const="", default=None, metavar="PYTHON",
+                   help="also OpenVINO GenAI on the embedded GGUF file, with nothing evicted and with its cache "
+                        f"eviction (its venv's python; alone: ${openvino.ENV_VAR} or {openvino.DEFAULT_PYTHON}); its "
+                        f"KV cache stored {openvino.KV_PRECISION} (its CPU default), a token's bytes measured, its "
+                        f"budget whole blocks of {openvino.BLOCK} tokens; requests too short for 3 blocks at the "
+                        "smallest point are skipped for every arm")
+    p.add_argument("--openvino-modes", type=name_list, default=["SUM", "NORM_SUM"],
+                   help="OpenVINO's AggregationMode per arm (SUM, NORM_SUM; ADAPTIVE_RKV fails on the GGUF: see "
+                        "docs/peers-at-equal-memory.md)")
+    p.add_argument("--threads", type=int, default=None, help="OpenVINO's inference threads (default: torch's)")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N requests (held out from earlier runs)")
     cache_flag(p, "n_sink")
     cache_flag(p, "prefill_chunk", "--chunk", note="the prompt is prefilled (and evicted) this many tokens at a time")
-    p.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    p.add_argument("--limit", type=int, default=None, help="only the first N requests (after --skip and the "
+                                                                  "ones too short for OpenVINO)")
     p.add_argument("--max-tokens", type=int, default=None, help="at most this many new tokens (each request's max_tokens)")
     p.add_argument("--temperature", type=float, default=None, help="instead of each request's (0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i, the same for every method")
@@ -79,7 +97,13 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=3584, help="tokens compressed")
     p.add_argument("--continuation", type=int, default=512, help="tokens scored after it")
     p.add_argument("--keep", type=lambda s: [float(x) for x in s.split(",")], default=[0.2],
-                   help="fractions of the context kept, e.g. 0.1,0.2,0.5")
+                   help="fractions of the context kept, e.g. 0.1,0.2,0.5 (every arm the same slots)")
+    p.add_argument("--memory", type=memory.memory_points, default=None,
+                   help="instead of --keep: fractions of the full cache's KV bytes for the context, e.g. 0.1,0.2,0.5; "
+                        "each arm keeps the most slots whose bytes fit, a slot's bytes measured on the model (a "
+                        "cache of that width fed a few tokens, its kv_bytes() divided by them): the model's width "
+                        "for our methods and kvpress's presses (DynamicCache), int8 codes plus float32 scales and "
+                        "zero points for a method named with ':int8' (h2o-sum:int8)")
     cache_flag(p, "n_sink")
     cache_flag(p, "prefill_chunk", "--chunk", note="our caches prefill (and evict) this many tokens at a time")
     p.add_argument("--methods", type=name_list, default=compress.COMPRESS_METHODS)

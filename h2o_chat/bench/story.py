@@ -86,14 +86,24 @@ ARMS = {"h2o": {}, "full": {"policy": "full"}, "sink": {"policy": "sink"},  # ar
         "template": {"keep_template": True}}  # h2o with the chat template's tokens never evicted
 REUSE_SLACK = 2  # tokens a reused reply may still cost (a stop-string cut inside a token is re-tokenized)
 
-HYPHEN_RUN = re.compile(r"(?:\b[A-Za-z]{1,5}-){4,}[A-Za-z]{1,5}\b")  # "Ere-ry-Mer-Euse-A-Ar": the failure seen
+HYPHEN_RUN = re.compile(r"\b[A-Za-z]+(?:-[A-Za-z]+){4,}\b")  # five or more words joined by hyphens
+# Parts of one or two letters that are English words: "son-in-law", "up-to-date", "Mira-I-Love..."
+SHORT_WORDS = frozenset("a i o of to in on at by is it be go up so no or me my we he us an as do if am".split())
+FRAGMENTS = 2  # non-word parts in one hyphen run that make it degenerate ("Ere-ry-Mer-Euse-A-Ar": ry, Ar)
+
+
+def fragments(run):
+    """The parts of a hyphen run that are not words: one or two letters, not in SHORT_WORDS."""
+    return [part for part in run.split("-") if len(part) <= 2 and part.lower() not in SHORT_WORDS]
 
 
 def degenerate(text, tokens):
     """A reply that is no longer language: a run of hyphen-joined fragments (what the issue saw),
     text so fragmented that a token holds under 2.5 characters (English holds ~4 in SmolLM2's
-    tokenizer), or a loop (the text compresses to under a fifth)."""
-    if HYPHEN_RUN.search(text):
+    tokenizer), or a loop (the text compresses to under a fifth). A hyphen run counts only with at
+    least FRAGMENTS parts of one or two letters that are not words: English joins whole words
+    ("great-great-grandfather", "state-of-the-art"), the collapse joins pieces of them."""
+    if any(len(fragments(run.group())) >= FRAGMENTS for run in HYPHEN_RUN.finditer(text)):
         return True
     if tokens >= 20 and len(text) / tokens < 2.5:
         return True

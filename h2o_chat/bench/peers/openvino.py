@@ -15,6 +15,13 @@ module level:
   - the client (`decode`), imported from our environment, spawns a worker per call: each
     measurement is a process of its own.
 
+A second job, `generate` (what `evaluate summarize --openvino` runs), decodes many prompts
+greedily in one worker, one pipeline per distinct eviction setting, and reports the KV bytes each
+held: allocated at the last token (OpenVINO frees and allocates its cache in blocks) and at the
+peak (after the prompt's prefill, before its first eviction). Its KV cache is stored at
+KV_CACHE_PRECISION u8, the CPU plugin's own default, set explicitly so that a change of default
+cannot change what is measured; `bytes_per_token` measures what a token then costs.
+
 Making the environment (outside the repository):
 
     python3 -m venv ~/openvino-venv && ~/openvino-venv/bin/pip install openvino-genai
@@ -33,6 +40,9 @@ ENV_VAR = "H2O_OPENVINO_PYTHON"
 DEFAULT_PYTHON = "~/openvino-venv/bin/python"
 MAKE_VENV = "python3 -m venv ~/openvino-venv && ~/openvino-venv/bin/pip install openvino-genai"
 WARMUP_TOKENS = 4
+BLOCK = 32  # tokens per KV block of OpenVINO's CPU plugin: eviction and allocation go by whole blocks
+KV_PRECISION = "u8"  # the CPU plugin's default KV cache precision (2026.4), made explicit
+PROBE_PROMPTS = (100, 300)  # prompt lengths whose allocations give a token's bytes (twice, as a check)
 
 
 class OpenVinoError(RuntimeError):
@@ -51,10 +61,11 @@ def find_python(arg=None):
     return venv_python(arg, ENV_VAR, DEFAULT_PYTHON)
 
 
-def eviction(budget, start, recent):
+def eviction(budget, start, recent, mode="SUM"):
     """CacheEvictionConfig's fields for a cache of `budget` tokens in all: the first `start` and the
     newest `recent` never evicted, the rest (budget - start - recent) the evictable area, scored by
-    attention summed over the steps (H2O's accumulated score). OpenVINO also wants each size a
+    `mode` (an AggregationMode: SUM, attention summed over the steps, is H2O's accumulated score;
+    NORM_SUM divides it by the steps a token has been seen). OpenVINO also wants each size a
     multiple of its KV block (32 tokens on the CPU) and says so itself; this refuses what no block
     size allows."""
     if not isinstance(budget, int):
@@ -62,7 +73,39 @@ def eviction(budget, start, recent):
     if min(start, recent) < 1 or start + recent >= budget:
         raise ValueError(f"OpenVINO's cache eviction needs start ({start}) and recent ({recent}) areas of at "
                          f"least one token that leave room for an evictable area in the budget ({budget})")
-    return {"start_size": start, "recent_size": recent, "max_cache_size": budget, "aggregation_mode": "SUM"}
+    return {"start_size": start, "recent_size": recent, "max_cache_size": budget, "aggregation_mode": mode}
+
+
+def generate(python, gguf, tasks, threads, timeout=7200):
+    """Greedy generations by OpenVINO GenAI in one worker of the venv of `python`, on the GGUF file
+    `gguf`: tasks are {"prompt_ids": [...], "max_new_tokens": n, "stop": [...], "eviction": `eviction`'s
+    fields or None, optionally "ignore_eos": true}. Returns {"results": [{"tokens", "kv_bytes_last",
+    "kv_bytes_peak", "seconds"}, ...] in the tasks' order, "version", "schedulers": {eviction as JSON:
+    SchedulerConfig text}}."""
+    settings = {"kind": "generate", "model": str(gguf), "threads": threads, "tasks": tasks}
+    return run_worker(python, settings, timeout)
+
+
+def bytes_per_token(python, gguf, threads):
+    """What one token costs in OpenVINO's KV cache (all layers and KV heads), measured: prompts of
+    PROBE_PROMPTS tokens with nothing evicted, one new token each, their cache allocated at that
+    token divided by the tokens its whole blocks hold. The two must agree (else the block size is
+    not BLOCK and this count would be wrong: OpenVinoError)."""
+    tasks = [{"prompt_ids": list(range(1000, 1000 + n)), "max_new_tokens": 1, "stop": [], "eviction": None}
+             for n in PROBE_PROMPTS]
+    results = generate(python, gguf, tasks, threads)["results"]
+    per_token = {r["kv_bytes_last"] / (BLOCK * -(-(n + 1) // BLOCK)) for n, r in zip(PROBE_PROMPTS, results)}
+    if len(per_token) != 1 or not float(next(iter(per_token))).is_integer():
+        raise OpenVinoError(f"OpenVINO's cache did not grow by whole blocks of {BLOCK} tokens: {per_token} bytes a token")
+    return int(per_token.pop())
+
+
+def split(budget):
+    """start and recent areas for a cache of `budget` tokens (a multiple of BLOCK, at least 3 blocks):
+    one block of start tokens (OpenVINO's smallest; h2o keeps 4 sinks) and half of the rest, in whole
+    blocks, recent (h2o's default split), the evictable area the remainder."""
+    recent = max(BLOCK, (budget - BLOCK) // 2 // BLOCK * BLOCK)
+    return BLOCK, recent
 
 
 def decode(python, gguf, prompt_ids, new_tokens, threads, cache_eviction=None, timeout=900):
@@ -78,6 +121,11 @@ def decode(python, gguf, prompt_ids, new_tokens, threads, cache_eviction=None, t
     SchedulerConfig as it prints it), version. OpenVinoError when the worker fails."""
     settings = {"model": str(gguf), "prompt_ids": list(prompt_ids), "new_tokens": new_tokens, "threads": threads,
                 "eviction": cache_eviction}
+    return run_worker(python, settings, timeout)
+
+
+def run_worker(python, settings, timeout):
+    """A fresh worker of the venv of `python` given `settings` (one JSON line): its figures."""
     try:
         done = subprocess.run([python, str(Path(__file__).resolve())], input=json.dumps(settings) + "\n",
                               capture_output=True, text=True, timeout=timeout)
@@ -163,13 +211,57 @@ def measure(genai, ov, settings):
             "scheduler": config.to_string(), "version": genai.__version__}
 
 
+def generate_all(genai, ov, settings):
+    """In the worker: the `generate` job. Tasks with the same eviction share one pipeline (loading
+    one costs seconds); each task's KV bytes are read after every token from the pipeline's metrics
+    (cache_usage percent of kv_cache_size_in_bytes: what its blocks hold)."""
+    import numpy
+
+    results, schedulers = [None] * len(settings["tasks"]), {}
+    groups = {}
+    for i, task in enumerate(settings["tasks"]):
+        groups.setdefault(json.dumps(task["eviction"], sort_keys=True), []).append(i)
+    for key, indices in groups.items():
+        config = scheduler_config(genai, json.loads(key))
+        schedulers[key] = config.to_string()
+        pipe = genai.ContinuousBatchingPipeline(settings["model"], config, "CPU", {
+            "INFERENCE_NUM_THREADS": settings["threads"], "KV_CACHE_PRECISION": KV_PRECISION})
+
+        class Usage(genai.StreamerBase):
+            def __init__(self, pipe):
+                super().__init__()
+                self.pipe, self.bytes = pipe, []
+
+            def write(self, token):
+                metrics = self.pipe.get_metrics()
+                self.bytes.append(round(metrics.cache_usage / 100 * metrics.kv_cache_size_in_bytes))
+                return genai.StreamingStatus.RUNNING
+
+            def end(self):
+                pass
+
+        for i in indices:
+            task = settings["tasks"][i]
+            g = genai.GenerationConfig()
+            g.max_new_tokens, g.do_sample, g.ignore_eos = task["max_new_tokens"], False, task.get("ignore_eos", False)
+            if task["stop"]:
+                g.stop_strings = set(task["stop"])
+            usage, start = Usage(pipe), time.perf_counter()
+            prompt = ov.Tensor(numpy.array([task["prompt_ids"]], dtype=numpy.int64))
+            result = pipe.generate([prompt], [g], usage)[0]
+            results[i] = {"tokens": [int(t) for t in result.m_generation_ids[0]], "kv_bytes_last": usage.bytes[-1],
+                          "kv_bytes_peak": max(usage.bytes), "seconds": time.perf_counter() - start}
+    return {"results": results, "version": genai.__version__, "schedulers": schedulers}
+
+
 def main():
     settings = json.loads(sys.stdin.readline())
     try:
         import openvino
         import openvino_genai
 
-        figures = measure(openvino_genai, openvino, settings)
+        job = generate_all if settings.get("kind") == "generate" else measure
+        figures = job(openvino_genai, openvino, settings)
     except Exception as e:  # noqa: BLE001 - reported to the client, which raises it
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1
