@@ -44,6 +44,9 @@ KERNEL_ROWS = 64  # int4: the kernel is faster than bf16 itself up to 64 rows, t
 INT8_KERNEL_ROWS = 24  # int8: at 32 rows the two take the same time, at 64 the kernel 1.35x longer
 BLOCK_ROWS = 64  # the CPU kernel's weight layout holds rows in blocks of 64 (see pack_int4_cpu)
 PACK_ROWS = 4096  # rows packed at a time: bounds the memory a large matrix needs while it is packed
+# weight_t's constants as 0-dim tensors: a Python int would be wrapped into a tensor every call
+_SIGN_FLIP = torch.tensor(0x88, dtype=torch.uint8)
+_NIBBLE = torch.tensor(4, dtype=torch.int8)
 
 
 def _round_up(n, multiple):
@@ -289,14 +292,15 @@ class Int4Linear(nn.Module):
         out_pad, width, half = self.packed.shape[0], self.width, BLOCK_ROWS // 2
         # q ^ 8 read as a signed 4-bit number is q - 8: arithmetic shifts sign-extend each nibble,
         # so the codes come out as q - 8 with no subtraction pass
-        signed = torch.bitwise_xor(self.packed, 0x88).view(torch.int8).view(out_pad // BLOCK_ROWS, width, half)
+        signed = torch.bitwise_xor(self.packed, _SIGN_FLIP).view(torch.int8).view(out_pad // BLOCK_ROWS, width, half)
         wt = torch.empty(width, out_pad, dtype=dtype, device=self.packed.device)
         nibbles = wt.view(width, out_pad // BLOCK_ROWS, 2, half).transpose(0, 1)  # [block, input, nibble, 32]
-        torch.bitwise_right_shift(signed << 4, 4, out=nibbles[:, :, 0])  # low nibbles: a block's rows 0..31
-        torch.bitwise_right_shift(signed, 4, out=nibbles[:, :, 1])  # high: rows 32..63
-        # dense [groups, 1, out_pad] scales and zeros: multiplying by the strided ones is 6x slower
-        scale, zero = (self.scales_and_zeros[..., i].to(dtype).contiguous().unsqueeze(1) for i in (0, 1))
-        wt.view(width // GROUP, GROUP, out_pad).mul_(scale).add_(zero)
+        nibbles[:, :, 0].copy_((signed << _NIBBLE) >> _NIBBLE)  # low nibbles: a block's rows 0..31
+        nibbles[:, :, 1].copy_(signed >> _NIBBLE)  # high: rows 32..63
+        # dense scales and zeros, [2, groups, 1, out_pad]: multiplying by strided ones is 6x slower
+        sz = self.scales_and_zeros.permute(2, 0, 1)
+        sz = (sz if sz.dtype == dtype else sz.to(dtype)).contiguous().unsqueeze(2)
+        wt.view(width // GROUP, GROUP, out_pad).mul_(sz[0]).add_(sz[1])
         if self.repeats > 1:
             wt = wt.view(self.repeats, -1, out_pad).sum(0)
         return wt[:self.in_features]
