@@ -194,6 +194,50 @@ def test_the_embedding_reads_rows_of_the_packed_table():
     assert torch.equal(PackedEmbedding(halves, torch.float32, tied=True)(ids[:, :2]), halves.dequantize()[ids[:, :2]])
 
 
+def codes_first_weight(layer):
+    """The weight a forward past KERNEL_ROWS used to dequantize, written out the first way: the
+    codes unpacked, (q - 8) in bf16, times the scale, plus the zero, each op rounding to bf16;
+    two halves summed. bf16 [out_pad, in_features]."""
+    codes = unpack_int4_cpu(layer.packed)
+    scale, zero = (layer.scales_and_zeros[..., i].t().unsqueeze(-1) for i in (0, 1))  # [rows, groups, 1]
+    w = (codes.view(torch.int8) - 8).to(torch.bfloat16).view(codes.shape[0], -1, GROUP) * scale + zero
+    w = w.view(codes.shape[0], layer.repeats, -1).sum(1)
+    return w[:, :layer.in_features]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_forward_past_kernel_rows_is_the_codes_first_matmul_bit_for_bit(dtype):
+    """A forward of more than KERNEL_ROWS rows dequantizes W.T straight out of the packed bytes
+    (Int4Linear.weight_t): its result is bf16 x @ W.T with the codes-first weight, bit for bit,
+    for rows padded to 64, inputs padded to 32, a bias, two Q8_0 halves and a fused part."""
+    gen = torch.Generator().manual_seed(11)
+    halves = Int4Linear.from_codes(*repack("Q8_0", gguf.quants.quantize(
+        torch.randn(130, 96, generator=gen).numpy(), Q.Q8_0)), 96, torch.randn(130, generator=gen), repeats=2)
+    parts = [Int4Linear.from_float(torch.randn(n, 96, generator=gen)) for n in (128, 64, 64)]
+    fuse(parts)
+    layers = [Int4Linear.from_float(torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen) if bias else None)
+              for out, inp, bias in [(100, 40, True), (192, 576, False), (576, 1536, False), (70, 96, True)]] + [halves, parts[1]]
+    for layer in layers:
+        weight = codes_first_weight(layer)
+        assert torch.equal(layer.dequantize(torch.bfloat16), weight)
+        x = torch.randn(2, KERNEL_ROWS // 2 + 3, layer.in_features, generator=gen).to(dtype)
+        expected = F.linear(x.to(torch.bfloat16), weight)[..., :layer.out_features]
+        expected = (expected if layer.bias is None else expected + layer.bias).to(dtype)
+        assert torch.equal(layer(x), expected)
+
+
+def test_a_prompts_embedding_reads_each_distinct_row_once_with_the_same_bits():
+    """Past KERNEL_ROWS ids a lookup dequantizes each distinct id once and repeats it: the rows are
+    a short lookup's, bit for bit, repeated ids and all."""
+    table = Int4Linear.from_float(torch.randn(200, 96, generator=torch.Generator().manual_seed(12)))
+    ids = torch.randint(0, 200, (2, KERNEL_ROWS + 40), generator=torch.Generator().manual_seed(13))
+    assert ids.unique().numel() < ids.numel()
+    embedding = PackedEmbedding(table, torch.bfloat16, tied=True)
+    rows = embedding(ids)
+    assert rows.shape == (*ids.shape, 96) and torch.equal(rows, table.dequantize(torch.bfloat16)[ids])
+    assert all(torch.equal(rows[:, i:i + 8], embedding(ids[:, i:i + 8])) for i in range(0, ids.shape[1], 8))
+
+
 @pytest.mark.parametrize("make", [Int4Linear.from_float, Int8Linear.from_float])
 def test_fused_parts_share_the_fused_weight_and_compute_the_same(make):
     gen = torch.Generator().manual_seed(8)

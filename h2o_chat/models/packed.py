@@ -44,6 +44,9 @@ KERNEL_ROWS = 64  # int4: the kernel is faster than bf16 itself up to 64 rows, t
 INT8_KERNEL_ROWS = 24  # int8: at 32 rows the two take the same time, at 64 the kernel 1.35x longer
 BLOCK_ROWS = 64  # the CPU kernel's weight layout holds rows in blocks of 64 (see pack_int4_cpu)
 PACK_ROWS = 4096  # rows packed at a time: bounds the memory a large matrix needs while it is packed
+# weight_t's constants as 0-dim tensors: a Python int would be wrapped into a tensor every call
+_SIGN_FLIP = torch.tensor(0x88, dtype=torch.uint8)
+_NIBBLE = torch.tensor(4, dtype=torch.int8)
 
 
 def _round_up(n, multiple):
@@ -217,7 +220,8 @@ class Int4Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)
         if rows.shape[0] > KERNEL_ROWS and self.packed.device.type == "cpu":
-            y = F.linear(rows, self.dequantize(COMPUTE_DTYPE))
+            # W.T as the matmul reads it (no transposed copy); the padded rows' columns unread
+            y = torch.mm(rows, self.weight_t(COMPUTE_DTYPE)[:, :self.out_features])
         else:
             y = self.matmul(self.pad_input(rows))
         if y.shape[1] != self.out_features:
@@ -262,32 +266,52 @@ class Int4Linear(nn.Module):
             return y.to(dtype) if cast else y
         return call
 
-    def codes(self):
-        """uint8 [out_pad, width] in 0..15 (CPU)."""
-        return unpack_int4_cpu(self.packed)
-
     def dequantize(self, dtype=torch.float32, rows=None):
-        """W [out_pad, in_features] (padded rows are zero) in `dtype`, from the packed codes (CPU).
-        rows: only these rows (an index tensor), [len(rows), in_features]: PackedEmbedding's lookup."""
-        sz = self.scales_and_zeros if rows is None else self.scales_and_zeros[:, rows]
-        codes = self.codes() if rows is None else self.row_codes(rows)
+        """W [out_pad, in_features] (padded rows are zero) in `dtype`, from the packed codes (CPU): a
+        transposed view of `weight_t`. rows: only these rows (an index tensor), [len(rows),
+        in_features], contiguous: PackedEmbedding's lookup."""
+        if rows is None:
+            return self.weight_t(dtype).t()
+        sz = self.scales_and_zeros[:, rows]
+        codes = self.row_codes(rows)
         w = (codes.view(torch.int8) - 8).to(dtype).view(codes.shape[0], -1, GROUP)
         scale, zero = (sz[..., i].t().to(dtype).unsqueeze(-1).contiguous() for i in (0, 1))  # [rows, groups, 1]
-        # in place, two ops: addcmul is 4x slower on bf16 here; it rounds once where these round
-        # twice, within bf16's rounding of the kernel's own result
+        # in place, two ops, each rounding to `dtype` as weight_t's do (the same bits)
         w = w.mul_(scale).add_(zero).view(codes.shape[0], -1)
         if self.repeats > 1:
             w = w.view(w.shape[0], self.repeats, -1).sum(1)
         return w[:, :self.in_features]
 
+    def weight_t(self, dtype=COMPUTE_DTYPE):
+        """W.T [in_features, out_pad] in `dtype` (CPU): (q - 8) * scale + zero, rounded to `dtype`
+        after the product and after the sum (the bits `dequantize` has always given; one addcmul
+        would round once). A prefill's matmul reads this layout as it is, and it is the packed
+        bytes' own: they hold a block of 64 rows input by input, 32 bytes an input, so each byte
+        run fills a 32-weight run of W.T's row, and the scales broadcast along out_pad weights
+        (along W's rows they would be runs of 32: the product and the sum took ~1.3x as long)."""
+        out_pad, width, half = self.packed.shape[0], self.width, BLOCK_ROWS // 2
+        # q ^ 8 read as a signed 4-bit number is q - 8: arithmetic shifts sign-extend each nibble,
+        # so the codes come out as q - 8 with no subtraction pass
+        signed = torch.bitwise_xor(self.packed, _SIGN_FLIP).view(torch.int8).view(out_pad // BLOCK_ROWS, width, half)
+        wt = torch.empty(width, out_pad, dtype=dtype, device=self.packed.device)
+        nibbles = wt.view(width, out_pad // BLOCK_ROWS, 2, half).transpose(0, 1)  # [block, input, nibble, 32]
+        nibbles[:, :, 0].copy_((signed << _NIBBLE) >> _NIBBLE)  # low nibbles: a block's rows 0..31
+        nibbles[:, :, 1].copy_(signed >> _NIBBLE)  # high: rows 32..63
+        # dense scales and zeros, [2, groups, 1, out_pad]: multiplying by strided ones is 6x slower
+        sz = self.scales_and_zeros.permute(2, 0, 1)
+        sz = (sz if sz.dtype == dtype else sz.to(dtype)).contiguous().unsqueeze(2)
+        wt.view(width // GROUP, GROUP, out_pad).mul_(sz[0]).add_(sz[1])
+        if self.repeats > 1:
+            wt = wt.view(self.repeats, -1, out_pad).sum(0)
+        return wt[:self.in_features]
+
     def row_codes(self, rows):
         """The codes of rows `rows` (int64 [n]), uint8 [n, width], read straight from the packed
         layout: byte (block, input, row % 32), low or high nibble by row % 64 < 32."""
-        width = self.width
-        byte = (rows // BLOCK_ROWS) * (width * BLOCK_ROWS // 2) + rows % (BLOCK_ROWS // 2)
-        index = byte[:, None] + torch.arange(width, device=rows.device) * (BLOCK_ROWS // 2)
-        shift = ((rows % BLOCK_ROWS) >= BLOCK_ROWS // 2).to(torch.uint8)[:, None] * 4
-        return (self.packed.view(-1)[index] >> shift) & 15
+        half = BLOCK_ROWS // 2
+        blocks = self.packed.view(-1, self.width, half)  # [block, input, row % 32]
+        shift = ((rows % BLOCK_ROWS) >= half).to(torch.uint8)[:, None] * 4
+        return (blocks[rows // BLOCK_ROWS, :, rows % half] >> shift) & 15
 
     def rows(self, start, stop):
         """An Int4Linear for output rows [start, stop) of this one (multiples of 64) that shares
@@ -387,7 +411,12 @@ class PackedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids):
-        return self.table.dequantize(self.dtype, rows=ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+        rows = ids.reshape(-1)
+        if rows.numel() <= KERNEL_ROWS:  # a decode step's few tokens: no sort
+            return self.table.dequantize(self.dtype, rows=rows).view(*ids.shape, self.embedding_dim)
+        # a prompt repeats its tokens (2,048 of a text: ~670 distinct): each row dequantized once
+        distinct, where = rows.unique(return_inverse=True)
+        return self.table.dequantize(self.dtype, rows=distinct)[where].view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self):
         source = "the tied lm_head's packed rows" if self.tied else "a packed table"
