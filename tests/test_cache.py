@@ -403,7 +403,7 @@ def test_eviction_ties_keep_the_newer_token():
     meta[KEY, :, :, :6] = protection_key(ids.int(), n_sink=1)
     acc[SCORE, :, :, :6] = priority
     query = torch.zeros(1, 1, 1, 4)
-    step = DecodeStep.over(kv, meta, acc, query, scaling=1.0)
+    step = DecodeStep.over(kv, meta, acc, group=1, dtype=query.dtype, scaling=1.0)
     # token 6 (n_seen 7 after it), one recent token: the new one
     rows = StepRows.make([6], [False], [True], kv_heads=1, group=1, n_recent=1, decay=1.0, meta_dtype=torch.int32,
                          acc_dtype=torch.float32, device="cpu")

@@ -57,7 +57,7 @@ def test_the_decode_step_quantizes_the_new_token_as_quantize_does(dtype):
     kv = torch.zeros(2, b, h, cap, d, dtype=kv_int8.CODES)
     meta, acc_buf = torch.zeros(N_META, b, h, cap, dtype=torch.int32), torch.zeros(acc_rows(kv_int8.CODES), b, h, cap)
     wide = kv_int8.WideScratch().for_slots(kv, acc)
-    step = DecodeStep.over(kv, meta, acc_buf, torch.zeros(b, 2 * h, 1, d, dtype=dtype), 1.0, wide)
+    step = DecodeStep.over(kv, meta, acc_buf, 2, dtype, 1.0, wide)
     g = torch.Generator().manual_seed(2)
     keys, values = (torch.randn(b, h, 1, d, generator=g).to(dtype) * 4 for _ in range(2))
     step.write_spare(keys, values, StepRows.make([7] * b, [False] * b, [True] * b, h, 2, n_recent=1, decay=1.0,

@@ -363,13 +363,12 @@ class H2OLayer(CacheLayerMixin):
             self.maybe_roll(limits)
         return out
 
-    def make_step(self, q_heads, dtype, scaling):
+    def make_step(self, group, dtype, scaling):
         """The decode step's views and scratch over this layer's buffers, made once (the host's part:
-        a compiled step never sees one made). Queries of `q_heads` heads in `dtype`."""
+        a compiled step never sees one made), for queries of `group` heads per KV head in `dtype`."""
         if self.step is None:
-            b, h, _, d = self.keys.shape
-            query = torch.empty(b, q_heads, 1, d, dtype=dtype, device=self.kv.device)  # what a query looks like
-            self.step = DecodeStep.over(self.kv, self.meta, self.acc, query, scaling, self.wide.for_slots(self.kv, self.acc.dtype))
+            wide = self.wide.for_slots(self.kv, self.acc.dtype)
+            self.step = DecodeStep.over(self.kv, self.meta, self.acc, group, dtype, scaling, wide)
 
     def decode(self, keys, values, query, rows: StepRows):
         """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a full layer, the host's
@@ -745,13 +744,17 @@ class H2OCache(Cache):
         self.prepare_decode()
         layer, lim = self.layers[0], self.limits
         b, n_seen = layer.kv.shape[1], layer.n_seen
-        rows = StepRows.make([n_seen] * b, [never_evicted(n_seen, lim.n_sink, self.pins)] * b, [True] * b,
+        rows = StepRows.make([n_seen] * b, [self.next_token_kept()] * b, [True] * b,
                              self.kv_heads, self.group, lim.n_recent, self.config.decay, layer.meta.dtype,
                              layer.acc.dtype, layer.kv.device)
         for layer, is_full in zip(self.layers, full):
             if is_full:
-                layer.make_step(self.group * self.kv_heads, self.dtype, self.scaling)
+                layer.make_step(self.group, self.dtype, self.scaling)
         return [rows if is_full else None for is_full in full]
+
+    def next_token_kept(self):
+        """The next token is never evicted: a sink of a short chat, or pinned (policy.never_evicted)."""
+        return never_evicted(self.layers[0].n_seen, self.limits.n_sink, self.pins)
 
     def advance(self):
         """Count a decode step's token in every layer (after `end`, or a batch's step)."""

@@ -101,18 +101,18 @@ class Int8Step:
     tiny: torch.Tensor
 
     @classmethod
-    def over(cls, kv, acc_buf, query, wide):
-        """kv [2, b, h, cap, d] int8, acc_buf [N_ACC + N_ROWS, b, h, cap], query [b, q_heads, 1, d],
-        wide [2, b*h, cap, d] in acc's dtype (a WideScratch's)."""
+    def over(cls, kv, acc_buf, group, dtype, wide):
+        """kv [2, b, h, cap, d] int8, acc_buf [N_ACC + N_ROWS, b, h, cap], queries of `group` heads per
+        KV head in `dtype`, wide [2, b*h, cap, d] in acc's dtype (a WideScratch's)."""
         _, b, h, cap, d = kv.shape
-        group, spare, acc = query.shape[1] // h, cap - 1, acc_buf.dtype
+        spare, acc = cap - 1, acc_buf.dtype
         rows = acc_buf.view(acc_buf.shape[0], b * h, cap)
         new, new_rows = wide.new_empty(2, b, h, 1, d), wide.new_empty(N_ROWS, b, h, 1, 1)
         return cls(
             codes=kv.view(2, b * h, cap, d), keys_t=wide[0].transpose(1, 2), values=wide[1], wide=wide,
             key_scales=rows[KEY_SCALE, :, None], key_zeros=rows[KEY_ZERO, :, None],
             value_scales=rows[VALUE_SCALE, :, None], value_zeros=rows[VALUE_ZERO, :, :, None],
-            query=wide.new_empty(b * h, group, d) if query.dtype != acc else None,
+            query=wide.new_empty(b * h, group, d) if dtype != acc else None,
             query_sum=wide.new_empty(b * h, group, 1), logits=wide.new_empty(b * h, group, cap),
             probs_scaled=wide.new_empty(b * h, group, cap), out=wide.new_empty(b * h, group, d),
             zero_out=wide.new_empty(b * h, group, 1),

@@ -148,13 +148,13 @@ class DecodeStep:
     int8: kv_int8.Int8Step | None  # int8 slots: their views and scratch (None otherwise)
 
     @classmethod
-    def over(cls, kv, meta, acc_buf, query, scaling, wide=None):
-        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [acc_rows, b, h, cap], query [b, q_heads, 1, d];
-        for int8 slots, wide [2, b*h, cap, d] in acc's dtype (a kv_int8.WideScratch's)."""
+    def over(cls, kv, meta, acc_buf, group, dtype, scaling, wide=None):
+        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [acc_rows, b, h, cap]; queries of
+        `group` heads per KV head in `dtype`; for int8 slots, wide [2, b*h, cap, d] in acc's dtype (a
+        kv_int8.WideScratch's)."""
         _, b, h, cap, d = kv.shape
-        group, spare = query.shape[1] // h, cap - 1
-        acc, dev, low = acc_buf.dtype, kv.device, query.dtype
-        out, victim = query.new_empty(b * h, group, d), torch.empty(b, h, 1, dtype=torch.long, device=dev)
+        spare, acc, dev, low = cap - 1, acc_buf.dtype, kv.device, dtype
+        out, victim = torch.empty(b * h, group, d, dtype=low, device=dev), torch.empty(b, h, 1, dtype=torch.long, device=dev)
         stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
         stage_acc = acc_buf.new_empty(acc_buf.shape[0], b, h, 1)
         float_slots = kv.dtype != kv_int8.CODES  # int8 slots attend through their own buffers (kv_int8.Int8Step)
@@ -165,18 +165,18 @@ class DecodeStep:
             spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
             spare_acc=acc_buf[:N_ACC, :, :, spare],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            int8=None if float_slots else kv_int8.Int8Step.over(kv, acc_buf, query, wide),
+            int8=None if float_slots else kv_int8.Int8Step.over(kv, acc_buf, group, dtype, wide),
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
             scale=torch.tensor(scaling, dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
             id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
             spare_index=torch.tensor(spare, device=dev),
-            logits=query.new_empty(b * h, group, cap) if float_slots else None,
+            logits=torch.empty(b * h, group, cap, dtype=low, device=dev) if float_slots else None,
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
             logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low and float_slots else None,
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
-            probs_low=query.new_empty(b * h, group, cap) if acc != low and float_slots else None,
+            probs_low=torch.empty(b * h, group, cap, dtype=low, device=dev) if acc != low and float_slots else None,
             out=out, out4=out.view(b, 1, group * h, d),
             protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
             rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),

@@ -32,7 +32,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.kv_int8 import WideScratch
-from ..cache.policy import never_evicted
 from ..cache.step import N_META, DecodeStep, StepRows, attend_and_replace
 from ..models.decode import Decoder
 
@@ -330,8 +329,7 @@ class Arena:
         """Layer i's DecodeStep over rows [0, n), made on the host before the step runs."""
         first = self.members[0]
         kv, meta, acc = self.kv[i][:, :n], self.meta[i][:, :n], self.acc[i][:, :n]
-        query = torch.empty(n, first.group * first.kv_heads, 1, kv.shape[-1], dtype=first.dtype, device=kv.device)
-        return DecodeStep.over(kv, meta, acc, query, first.scaling, self.wide.for_slots(kv, acc.dtype))
+        return DecodeStep.over(kv, meta, acc, first.group, first.dtype, first.scaling, self.wide.for_slots(kv, acc.dtype))
 
     def _row_state(self, active):
         """Layer i's StepRows: what differs between the rows of one step, the same for every layer
@@ -339,7 +337,7 @@ class Arena:
         first = self.members[0]
         layer, lim = first.layers[0], first.limits
         n_seen = [c.layers[0].n_seen for c in self.members]
-        kept = [a and never_evicted(s, lim.n_sink, c.pins) for a, s, c in zip(active, n_seen, self.members)]
+        kept = [a and c.next_token_kept() for a, c in zip(active, self.members)]
         rows = StepRows.make(n_seen, kept, active, first.kv_heads, first.group, lim.n_recent, first.config.decay,
                              layer.meta.dtype, layer.acc.dtype, layer.kv.device)
         if lim.layers is None:
