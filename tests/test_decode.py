@@ -57,6 +57,37 @@ def test_the_lean_step_is_the_model_forward_bit_for_bit(dtype, policy, score, po
         assert positions == "absolute" or own.layers[0].roll_floor > 0  # a roll happened inside the run
 
 
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+def test_a_cache_the_lean_step_ran_takes_the_next_message_and_a_restore(kv_quant):
+    """The lean step runs a full cache under torch.inference_mode (fewer dispatches: bench ops).
+    What it leaves in the cache must stay ordinary tensors: the next message's prefill (the model's
+    forward, under no_grad) writes into the same buffers in place, which raises on an inference
+    tensor. Checked through the turn a chat takes, against a cache fed by the model's forward alone."""
+    model = make_tiny_llama(torch.float32)
+    settings = dict(budget=12, n_sink=2, n_recent=4, prefill_chunk=4, kv_quant=kv_quant)
+    lean, own, decoder = H2OCache(model, **settings), H2OCache(model, **settings), Decoder(model)
+    with torch.no_grad():
+        # the first token through the step: the layers' buffers are made inside it
+        decoder.step(torch.tensor([[1]]), torch.tensor([0]), lean)
+        model(torch.tensor([[1]]), cache=own)
+        for cache in (lean, own):
+            model(torch.arange(2, 10)[None], cache=cache)
+        for t in range(10):  # the layers fill at 12 (no_grad), then evict (inference_mode)
+            decoder.step(torch.tensor([[40 + t]]), torch.tensor([lean.get_seq_length()]), lean)
+            model(torch.tensor([[40 + t]]), cache=own)
+        assert lean.is_full()
+        assert not any(b.is_inference() for layer in lean.layers for b in (layer.kv, layer.meta, layer.acc))
+        saved = lean.snapshot()
+        for cache in (lean, own):  # the next message, in place into the full buffers
+            model(torch.arange(30, 37)[None], cache=cache)
+        assert_same_state(own, lean)
+        lean.restore(saved)  # a regenerate: back before the message, then it again
+        model(torch.arange(30, 37)[None], cache=lean)
+        decoder.step(torch.tensor([[50]]), torch.tensor([lean.get_seq_length()]), lean)
+        model(torch.tensor([[50]]), cache=own)
+    assert_same_state(own, lean)
+
+
 @pytest.mark.parametrize("positions", ["absolute", "rolling"])
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
