@@ -10,7 +10,7 @@ switches to the compiled one when it is ready.
 
 What runs where:
 
-- One StepCompiler per model (every Decoder of it shares it: Dynamo's compiled code hangs on the
+- One StepCompiler per model, held by the model (every Decoder of it shares it: Dynamo's compiled code hangs on the
   code of `layers_step` and is guarded on the decoder it was traced with, the compiler's own).
 - A step of a shape it has not compiled (`cache.step_shape()`: one conversation alone, or n
   stacked with some sitting out; the budget, the slots' dtype) runs eagerly, and asks the
@@ -43,11 +43,12 @@ of the graph's output buffer, which the next replay overwrites. None of this has
 `python -m h2o_chat.bench gpu` is the check.
 """
 
+import collections
 import logging
 import os
-import queue
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -79,7 +80,7 @@ def check_mode(mode):
     return Compilation(mode).compile
 
 
-_compilers = weakref.WeakKeyDictionary()  # model -> its StepCompiler (one per model: see the module's notes)
+OWNED_AS = "_h2o_step_compiler"  # the model's attribute holding its StepCompiler (it lives and dies with the model)
 _said = weakref.WeakKeyDictionary()  # model -> the reasons already logged for it
 _made = threading.Lock()
 
@@ -94,9 +95,10 @@ def step_compiler(model, mode, data_dir=None, **options):
             say_once(model, f"h2o-chat: the decode step stays eager: {why}")
         return None
     with _made:
-        compiler = _compilers.get(model)
+        compiler = getattr(model, OWNED_AS, None)
         if compiler is None:
-            compiler = _compilers[model] = StepCompiler(model, data_dir, **options)
+            compiler = StepCompiler(model, data_dir, **options)
+            setattr(model, OWNED_AS, compiler)
     return compiler if compiler.failed is None else None
 
 
@@ -107,7 +109,7 @@ def eager_reason(model, mode):
     why_not = unsupported(model)
     if why_not is not None:
         return f"the lean step cannot run this model ({why_not})"
-    compiler = _compilers.get(model)
+    compiler = getattr(model, OWNED_AS, None)
     if compiler is not None and compiler.failed is not None:
         return compiler.failed
     device = next(model.parameters()).device.type
@@ -127,12 +129,26 @@ def say_once(model, line):
 
 
 def use_cache_folder(data_dir):
-    """Inductor's on-disk cache in `data_dir`/compiled, unless the environment names one (it is read
-    per compile, process-wide: the first data folder to compile in keeps it)."""
-    if data_dir is not None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        folder = Path(data_dir).expanduser() / CACHE_FOLDER
-        folder.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    """Inductor's on-disk cache in `data_dir`/compiled, unless the user named one in the environment
+    (inductor writes its default, a folder in /tmp, back into the variable at its first use: that
+    one is not the user's). It is read per compile, process-wide: the first data folder keeps it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if data_dir is None or (named is not None and os.path.abspath(named) != os.path.abspath(default_cache_dir())):
+        return
+    folder = Path(data_dir).expanduser() / CACHE_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+
+
+def own_code(method):
+    """`method` (a bound method) over a copy of its function's code object. Dynamo keeps compiled
+    code per code object, and stops compiling one after recompile_limit (8) entries: each
+    compiler's (one per model) are then its own, not shared with every other model's."""
+    f = method.__func__
+    return types.MethodType(types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                                               f.__closure__), method.__self__)
 
 
 _ran = threading.local()  # .graphs: compiled graphs this thread has run (what `CompiledStep.kind` reads)
@@ -183,17 +199,16 @@ class StepCompiler:
         backend = options.pop("backend", None)
         if backend is None:  # inductor, as torch.compile makes it (CUDA graphs on a GPU)
             backend = torch._TorchCompileInductorWrapper("reduce-overhead" if self.cudagraphs else None, None, False)
-        self.compiled = torch.compile(self.decoder.layers_step, backend=counting(backend), dynamic=False,
+        self.compiled = torch.compile(own_code(self.decoder.layers_step), backend=counting(backend), dynamic=False,
                                       fullgraph=True, **options)
         self.run_only = torch._dynamo.run(self.compiled)  # compiled code where its guards pass, else eager; never compiles
         self.ready = frozenset()  # shapes whose compiled code exists: replaced whole, never changed in place
         self.asked = set()  # shapes asked for (read and written under _lock)
         self.compiles = []  # (shape, seconds) per compiled shape
         self.failed = None
-        self.busy = False
-        self._lock = threading.Lock()
-        self._jobs = queue.SimpleQueue()
-        self._thread = None
+        self.busy = False  # the compiler's thread is running (it runs while jobs are queued)
+        self._lock = threading.Lock()  # guards asked, busy and _jobs
+        self._jobs = collections.deque()
 
     def step(self):
         """A CompiledStep for one Decoder (Decoder.switch_to)."""
@@ -221,26 +236,29 @@ class StepCompiler:
             self.asked.add(shape)
         made_inference = cache.decode_steps()[0].kv_flat.is_inference()
         with torch.inference_mode(made_inference):  # its tensors inference tensors where the cache's are
-            replica, token_ids, positions = cache.replica(), token_ids.clone(), positions.clone()
+            # contiguous, as the app's tokens come (a [1, 1] view of a longer row has other strides: a guard)
+            replica = cache.replica()
+            token_ids, positions = (x.clone(memory_format=torch.contiguous_format) for x in (token_ids, positions))
         job = Job(shape, token_ids, positions, replica, torch.is_inference_mode_enabled(), torch.is_grad_enabled(),
                   torch.get_num_threads())
         with self._lock:
-            self.busy = True
-            self._jobs.put(job)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True, name="h2o-compile")
-            self._thread.start()
+            self._jobs.append(job)
+            if not self.busy:  # the thread ends when it has nothing left (so a dropped model can be freed)
+                self.busy = True
+                threading.Thread(target=self._loop, daemon=True, name="h2o-compile").start()
 
     def _loop(self):
         while True:
-            job = self._jobs.get()
+            with self._lock:
+                if not self._jobs:
+                    self.busy = False
+                    return
+                job = self._jobs.popleft()
             try:
                 self._compile(job)
             except Exception as e:  # any model, dtype or device it cannot compile: eager, said once
                 self.failed = f"compiling it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                 say_once(self.model, f"h2o-chat: the decode step stays eager: {self.failed}")
-            with self._lock:
-                self.busy = not self._jobs.empty()
 
     def _compile(self, job):
         if torch.get_num_threads() != job.threads:
