@@ -148,6 +148,35 @@ def test_a_session_switches_to_the_compiled_step_and_replies_as_an_off_session()
     assert off.compiler is None and backend.threads == ["h2o-compile"]
 
 
+def test_two_sessions_in_a_batch_switch_to_their_compiled_step(tmp_path):
+    # the app's path: sessions decoded together by a Batcher (compile="on"); each shape the batch
+    # runs is compiled in the background; the replies are the same tokens as sessions' alone
+    # with compile off, and the stats say the batch's step is compiled
+    model, tokenizer = make_tiny_chat()
+    backend = Traced()
+    step_compiler(model, "on", backend=backend)
+    batcher = Batcher(model, 2, gather_s=0.05, compile="on")
+    texts = ["Hello there, how are you?", "What is a lighthouse?"]
+    batched = [ChatSession(model, tokenizer, batcher=batcher, compile="on", **GREEDY) for _ in texts]
+    alone = [ChatSession(model, tokenizer, compile="off", **GREEDY) for _ in texts]
+    for turn in range(3):
+        replies = [None, None]
+
+        def reply(i, turn=turn, replies=replies):
+            replies[i] = "".join(batched[i].send(texts[i] if turn == 0 else "Go on."))
+
+        threads = [threading.Thread(target=reply, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+        assert not any(thread.is_alive() for thread in threads)
+        assert replies == ["".join(s.send(texts[i] if turn == 0 else "Go on.")) for i, s in enumerate(alone)]
+        assert batcher.decoder.compiled.compiler.wait(WAIT_S)
+    assert all(s.stats["step"] == "compiled" for s in batched) and batcher.largest_batch == 2
+    assert set(backend.threads) == {"h2o-compile"}
+
+
 def test_the_stats_line_says_which_step_runs(tiny_chat):
     from h2o_chat.ui import draw
 

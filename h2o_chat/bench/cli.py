@@ -79,20 +79,21 @@ def seed_list(text):
     return list(range(int(first), int(last) + 1)) if dash and first else int_list(text)
 
 
-def model_list(text):
-    names = name_list(text)
-    unknown = [n for n in names if n not in gpu.MODELS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown model {unknown[0]!r}; the models are {', '.join(gpu.MODELS)}")
-    return names
+def choice_list(what, choices):
+    """The parser of a comma-separated list of `choices` (an unknown one named in the error)."""
+
+    def parse(text):
+        names = name_list(text)
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown[0]!r}; the {what}s are {', '.join(choices)}")
+        return names
+
+    return parse
 
 
-def arm_list(text):
-    arms = name_list(text)
-    unknown = [a for a in arms if a not in story.ARMS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown arm {unknown[0]!r}; the arms are {', '.join(story.ARMS)}")
-    return arms
+arm_list = choice_list("arm", story.ARMS)
+model_list = choice_list("model", gpu.MODELS)
 
 
 def cache_flag(parser, name, *flags, sweep=None, **kwargs):

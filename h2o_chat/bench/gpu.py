@@ -96,8 +96,8 @@ def dynamic_stepper(model, ids):
 
     cache = DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-    return lambda tokens: model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        model(ids, cache=cache, use_cache=True)
+    return lambda tokens: model(tokens, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 def wait_compiled(compiler, timeout):

@@ -29,7 +29,6 @@ step), never on a value read from the device.
 
 import copy
 import warnings
-from dataclasses import astuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -721,9 +720,9 @@ class H2OCache(Cache):
     def step_shape(self):
         """During a static step: what a compiled step's graph depends on besides the model, as a
         hashable value (the settings; per layer the buffers' shapes and dtypes)."""
-        buffers = tuple((tuple(layer.kv.shape), layer.kv.dtype, tuple(layer.acc.shape), layer.acc.dtype, layer.meta.dtype)
-                        for layer in self.layers)
-        return "alone", astuple(self.config), buffers
+        first, c = self.layers[0], self.config
+        return ("alone", c.policy, c.score, c.decay, c.kv_quant, tuple(layer.kv.shape for layer in self.layers),
+                first.kv.dtype, first.acc.dtype, first.meta.dtype)  # acc's and meta's shapes follow from kv's
 
     def decode_steps(self):
         """During a static step: each layer's DecodeStep (the buffers it writes in place)."""

@@ -26,7 +26,7 @@ of its own and the last row moves into the hole, so rows [0, n) are always the b
 
 import threading
 import time
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -416,10 +416,9 @@ class StackedCache(Cache):
         """What a compiled step's graph depends on besides the model: the members' settings, the
         arena's rows and buffers, the rows stepped, which layers have free slots, whether a row sits out."""
         arena, rows = self.arena, self.rows
-        buffers = tuple((tuple(kv.shape), kv.dtype, tuple(acc.shape), acc.dtype, meta.dtype)
-                        for kv, meta, acc in zip(arena.kv, arena.meta, arena.acc))
-        return ("stacked", astuple(arena.members[0].config), len(arena.members), buffers,
-                tuple(r.empty is None for r in rows), rows[0].idle is None)
+        return ("stacked", arena_key(arena.members[0]), len(arena.members), tuple(kv.shape for kv in arena.kv),
+                arena.kv[0].dtype, arena.acc[0].dtype, arena.meta[0].dtype, tuple(r.empty is None for r in rows),
+                rows[0].idle is None)
 
     def decode_steps(self):
         return self.arena.steps
