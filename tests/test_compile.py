@@ -63,18 +63,21 @@ def step(decoder, cache, t):
     return decoder.step(token, torch.tensor([cache.get_seq_length()]), cache)
 
 
-@pytest.mark.parametrize("grad_mode", GRAD_MODES)
-def test_the_step_is_compiled_off_the_users_thread_and_switched_to_when_ready(grad_mode):
+@pytest.mark.parametrize("fed_in,stepped_in", [("no_grad", "no_grad"), ("inference_mode", "inference_mode"),
+                                               ("no_grad", "inference_mode")])
+def test_the_step_is_compiled_off_the_users_thread_and_switched_to_when_ready(fed_in, stepped_in):
     # the user's thread keeps stepping eagerly while the compile is held in the compiler's thread;
     # once released, the same decoder runs the compiled code, bit for bit what the eager step
-    # computes; under no_grad or inference_mode alike (Dynamo guards on the mode: the replica is
-    # compiled under the user's)
+    # computes; under no_grad or inference_mode alike, caches filled in either (Dynamo guards on
+    # the mode and on each tensor's dispatch keys: the replica and the step's inputs are copied
+    # as inference tensors where the user's are, and compiled under the user's mode)
     model = make_tiny_llama(torch.float32)
     backend = Traced(hold=True)
     compiler = StepCompiler(model, backend=backend)
     decoder, eager = Decoder(model).switch_to(compiler.step()), Decoder(model)
-    with GRAD_MODES[grad_mode]():
+    with GRAD_MODES[fed_in]():
         mine, reference = fed(model), fed(model)
+    with GRAD_MODES[stepped_in]():
         kinds = []
         for t in range(6):  # the first asks; the compile is held: every step returns at once, eagerly
             started = time.monotonic()

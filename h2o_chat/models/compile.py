@@ -234,11 +234,10 @@ class StepCompiler:
             if len(self.asked) >= torch._dynamo.config.recompile_limit:  # Dynamo compiles no more for this code
                 return
             self.asked.add(shape)
-        made_inference = cache.decode_steps()[0].kv_flat.is_inference()
-        with torch.inference_mode(made_inference):  # its tensors inference tensors where the cache's are
-            # contiguous, as the app's tokens come (a [1, 1] view of a longer row has other strides: a guard)
+        # each copy an inference tensor where its original is one (Dynamo guards on the dispatch keys)
+        with torch.inference_mode(cache.decode_steps()[0].kv_flat.is_inference()):
             replica = cache.replica()
-            token_ids, positions = (x.clone(memory_format=torch.contiguous_format) for x in (token_ids, positions))
+        token_ids, positions = (copied(x) for x in (token_ids, positions))
         job = Job(shape, token_ids, positions, replica, torch.is_inference_mode_enabled(), torch.is_grad_enabled(),
                   torch.get_num_threads())
         with self._lock:
@@ -303,6 +302,13 @@ class CompiledStep:
         if self.ran_compiled:
             return "compiled"
         return "compiling" if self.compiler.busy else "eager"
+
+
+def copied(x):
+    """A contiguous copy of `x` (as the app's tokens come: a [1, 1] view of a longer row has other
+    strides, a guard), an inference tensor where `x` is one."""
+    with torch.inference_mode(x.is_inference()):
+        return x.clone(memory_format=torch.contiguous_format)
 
 
 def step_kind(decoder):
