@@ -226,6 +226,24 @@ def test_what_it_cannot_compile_stays_eager_with_one_log_line(caplog):
     assert on.stats["step"] == "eager" and backend.threads == ["h2o-compile"]
 
 
+def test_the_page_and_the_api_make_their_sessions_with_the_apps_setting(tmp_path):
+    # every way the app makes a session (the page's new and reopened chats, the API's chat and
+    # text sessions and its saved ones) passes on --compile
+    from h2o_chat.serve.api import create_router
+    from h2o_chat.ui.state import App
+
+    model, tokenizer = make_tiny_chat()
+    step_compiler(model, "on", backend=Traced())
+    for compile in ("on", "off"):
+        api = create_router(model, tokenizer, {}, str(tmp_path), compile=compile).api
+        app = App(model, tokenizer, {}, str(tmp_path), chat_defaults=dict(max_new_tokens=4), compile=compile)
+        chat = app.new_session()
+        "".join(chat.send("Hi"))  # saved in the data folder: it can be reopened
+        sessions = [chat, app.open(chat.id), api.make_session("chat", {}, None), api.make_session("text", {}, None),
+                    api.open_saved(chat.id)]
+        assert [s.compiler is not None for s in sessions] == [compile == "on"] * 5, compile
+
+
 def test_the_app_flag_is_the_declared_setting():
     import app
 
