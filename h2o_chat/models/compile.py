@@ -189,8 +189,9 @@ class Job:
 
 class StepCompiler:
     """One model's decode step (`Decoder.layers_step`) compiled in a thread of its own, shape by
-    shape, as steps ask for them (see the module's notes). state: "compiling" while a shape is
-    being compiled, "compiled" once one is ready, "failed" (with `failed`, the sentence logged)."""
+    shape, as steps ask for them (see the module's notes). busy: its thread is compiling; ready:
+    the shapes compiled; compiles: (shape, seconds) each; failed: None, or why it stopped (the
+    sentence logged: every step is eager from then on)."""
 
     def __init__(self, model, data_dir=None, **options):
         self.model, self.decoder = model, Decoder(model)
@@ -234,10 +235,13 @@ class StepCompiler:
             if len(self.asked) >= torch._dynamo.config.recompile_limit:  # Dynamo compiles no more for this code
                 return
             self.asked.add(shape)
-        # each copy an inference tensor where its original is one (Dynamo guards on the dispatch keys)
-        with torch.inference_mode(cache.decode_steps()[0].kv_flat.is_inference()):
-            replica = cache.replica()
-        token_ids, positions = (copied(x) for x in (token_ids, positions))
+        try:  # each copy an inference tensor where its original is one (Dynamo guards on the dispatch keys)
+            with torch.inference_mode(cache.decode_steps()[0].kv_flat.is_inference()):
+                replica = cache.replica()
+            token_ids, positions = (copied(x) for x in (token_ids, positions))
+        except Exception as e:  # never the user's step's failure: it runs eagerly
+            self.fail(e)
+            return
         job = Job(shape, token_ids, positions, replica, torch.is_inference_mode_enabled(), torch.is_grad_enabled(),
                   torch.get_num_threads())
         with self._lock:
@@ -256,8 +260,12 @@ class StepCompiler:
             try:
                 self._compile(job)
             except Exception as e:  # any model, dtype or device it cannot compile: eager, said once
-                self.failed = f"compiling it failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                say_once(self.model, f"h2o-chat: the decode step stays eager: {self.failed}")
+                self.fail(e)
+
+    def fail(self, error):
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        self.failed = f"compiling it failed ({type(error).__name__}: {first_line})"
+        say_once(self.model, f"h2o-chat: the decode step stays eager: {self.failed}")
 
     def _compile(self, job):
         if torch.get_num_threads() != job.threads:
