@@ -19,9 +19,9 @@ CUDA synchronized around each window. tokens_per_s counts every row's tokens.
 
 The check (the model's weights dequantized, float32 throughout): two caches fed the same ids, one
 stepped eagerly and one compiled, the same fixed tokens for --check-tokens steps (the caches full,
-every step evicts, positions re-laid): the logits within --atol (1e-5, as tests/test_decode.py
-holds the compiled step), the kept token ids of every layer identical, and at least one step run
-compiled. A failed check exits 1. Why not on the int4 weights: their kernels take bf16 rows, so a
+every step evicts; --quick passes twice the budget, so positions are re-laid too): the logits
+within --atol (1e-5, as tests/test_decode.py holds the compiled step), the kept token ids of every
+layer identical, and at least one step run compiled. A failed check exits 1. Why not on the int4 weights: their kernels take bf16 rows, so a
 float32 difference of one ulp in the residual stream (inductor fuses the elementwise ops) can round
 a kernel's input to the next bf16 value: measured on the tiny Q4_0 file, float32, one step in 60
 differed by 2**-10 (the kept ids equal), the other 59 bitwise.
