@@ -66,11 +66,12 @@ def test_bench_batch_on_the_cpu(tmp_path):
     assert all(r["kv_MiB"] < f["kv_MiB"] for r, f in zip(h2o, rows))  # budget 20% of 72 tokens
 
 
-def test_bench_batch_without_cuda_says_so(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command", ["batch", "gpu"])
+def test_a_cuda_bench_without_cuda_says_so(command, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(batch.torch.cuda, "is_available", lambda: False)
-    cli.main(["--out", str(tmp_path), "batch"])
+    cli.main(["--out", str(tmp_path), command])
     assert "needs a CUDA GPU" in capsys.readouterr().out
-    assert json.loads((tmp_path / "batch.json").read_text())["meta"]["skipped"] == "no CUDA GPU"
+    assert json.loads((tmp_path / f"{command}.json").read_text())["meta"]["skipped"] == "no CUDA GPU"
 
 
 @pytest.mark.slow

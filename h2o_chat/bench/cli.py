@@ -26,6 +26,8 @@
     decode-peers  decode tokens/s after a ~1,000-token held-out history: the app's path against
              llama.cpp's server and OpenVINO GenAI (its H2O-style eviction on, and off) on the
              same GGUF and token ids, each arm a fresh process per round
+    gpu      the compiled decode step (CUDA graphs) against eager and DynamicCache at batch 1 and 8,
+             the embedded model and a 1B-class Q4_0 GGUF; a check that compiled == eager
     user-gguf  a Llama-3.2-1B-shaped random GGUF (Q4_0, Q4_K_M, ...) loaded at its own width against
              dequantized (peak RSS, decode tokens/s, each in a fresh process) and beside llama.cpp
 
@@ -47,6 +49,7 @@ from . import (
     decode,
     decode_peers,
     dialogue,
+    gpu,
     ops,
     panel,
     prefill,
@@ -76,12 +79,21 @@ def seed_list(text):
     return list(range(int(first), int(last) + 1)) if dash and first else int_list(text)
 
 
-def arm_list(text):
-    arms = name_list(text)
-    unknown = [a for a in arms if a not in story.ARMS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown arm {unknown[0]!r}; the arms are {', '.join(story.ARMS)}")
-    return arms
+def choice_list(what, choices):
+    """The parser of a comma-separated list of `choices` (an unknown one named in the error)."""
+
+    def parse(text):
+        names = name_list(text)
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown[0]!r}; the {what}s are {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+arm_list = choice_list("arm", story.ARMS)
+model_list = choice_list("model", gpu.MODELS)
 
 
 def cache_flag(parser, name, *flags, sweep=None, **kwargs):
@@ -326,6 +338,24 @@ def main(argv=None):
                         f"{llamacpp.DEFAULT_PYTHON})")
     add_quick(p, new_tokens=16, repeats=1)
     p.set_defaults(run=user_gguf.run)
+
+    p = sub.add_parser("gpu", parents=[shared], help="the compiled step (CUDA graphs) against eager and DynamicCache, "
+                                                      "batch 1 and 8; compiled == eager")
+    p.add_argument("--device", default="cuda", help="cuda (default); cpu runs it here without CUDA graphs")
+    p.add_argument("--models", type=model_list, default=["embedded", "llama-1b"],
+                   help=f"of {', '.join(gpu.MODELS)}: the embedded model, user-gguf's random 1B-class Q4_0 file, a "
+                        "tiny random Q4_0 file (written into --out)")
+    p.add_argument("--batches", type=int_list, default=[1, 8], help="conversations decoded at once")
+    cache_flag(p, "budget")
+    p.add_argument("--seen", type=int, default=600, help="tokens each conversation has seen before the timed steps")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows per arm, interleaved (median reported)")
+    p.add_argument("--dtype", default="auto", help="the timed arms' dtype (the check runs in float32)")
+    p.add_argument("--check-tokens", type=int, default=300, help="tokens of the compiled == eager check")
+    p.add_argument("--atol", type=float, default=1e-5, help="the check's tolerance on the logits (float32)")
+    p.add_argument("--compile-timeout", type=float, default=240, help="seconds a shape may take to compile")
+    add_quick(p, models=["tiny"], batches=[1, 2], budget=32, seen=40, steps=8, repeats=1, check_tokens=60)
+    p.set_defaults(run=gpu.run)
 
     args = parser.parse_args(argv)
     apply_quick(args, argv)

@@ -27,6 +27,7 @@ once. Positions re-roll on a schedule the host knows (every head's span grows by
 step), never on a value read from the device.
 """
 
+import copy
 import warnings
 
 import torch
@@ -714,6 +715,29 @@ class H2OCache(Cache):
         """Between `begin(1)` and `end()`: every layer takes the decode step of a full layer, whose
         shapes are the same at every token (what a compiled step needs)."""
         return self._rows is not None and all(rows is not None for rows in self._rows)
+
+    # --- for a compiled step (models/compile.py) ------------------------------------------------
+    def step_shape(self):
+        """During a static step: what a compiled step's graph depends on besides the model, as a
+        hashable value (the settings; per layer the buffers' shapes and dtypes)."""
+        first, c = self.layers[0], self.config
+        return ("alone", c.policy, c.score, c.decay, c.kv_quant, tuple(layer.kv.shape for layer in self.layers),
+                first.kv.dtype, first.acc.dtype, first.meta.dtype)  # acc's and meta's shapes follow from kv's
+
+    def decode_steps(self):
+        """During a static step: each layer's DecodeStep (the buffers it writes in place)."""
+        return [layer.step for layer in self.layers]
+
+    def replica(self):
+        """A cache with these settings, pins and limits and a copy of this one's state in buffers of
+        its own: what a step is compiled on off the user's thread (models/compile.py), never
+        touching this one."""
+        twin = copy.copy(self)
+        twin.wide = WideScratch()
+        twin.layers = [H2OLayer(self.config, layer.inv_freq, self.max_positions, twin.wide) for layer in self.layers]
+        twin._rows = twin._unattended = None
+        twin.restore(self.snapshot())
+        return twin
 
     def full_layers(self):
         """[layers] bools: the layer holds its budget, so a new token evicts one (the decode step's

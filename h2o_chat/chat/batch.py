@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.kv_int8 import WideScratch
 from ..cache.step import N_META, DecodeStep, StepRows, attend_and_replace
+from ..models.compile import Compilation, step_compiler
 from ..models.decode import Decoder
 
 GATHER_S = 0.01  # how long a step waits for a conversation that has not handed in its token yet
@@ -54,11 +55,14 @@ class Batcher:
     """Runs the model for every conversation that uses it, batching their decode steps. A thread
     that calls `run` does its own torch work on one intra-op thread from then on (see `run`)."""
 
-    def __init__(self, model, max_batch=4, gather_s=GATHER_S):
+    def __init__(self, model, max_batch=4, gather_s=GATHER_S, compile=Compilation.compile, data_dir=None):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.model, self.max_batch, self.gather_s = model, max_batch, gather_s
         self.decoder = Decoder(model)
+        compiler = step_compiler(model, compile, data_dir)  # models/compile.py: compiled in the background
+        if compiler is not None:
+            self.decoder.switch_to(compiler.step())
         self.threads = torch.get_num_threads()  # the intra-op threads the model's forwards run with
         self.arenas = {}  # cache settings -> Arena (only while it has members)
         self.steps = self.rows_stepped = 0  # batched steps run, and conversations they advanced
@@ -406,3 +410,25 @@ class StackedCache(Cache):
 
     def end(self):
         """Nothing to count here: the arena advances its members (Arena.step)."""
+
+    # --- for a compiled step (models/compile.py) ------------------------------------------------
+    def step_shape(self):
+        """What a compiled step's graph depends on besides the model: the members' settings, the
+        arena's rows and buffers, the rows stepped, which layers have free slots, whether a row sits out."""
+        arena, rows = self.arena, self.rows
+        return ("stacked", arena_key(arena.members[0]), len(arena.members), tuple(kv.shape for kv in arena.kv),
+                arena.kv[0].dtype, arena.acc[0].dtype, arena.meta[0].dtype, tuple(r.empty is None for r in rows),
+                rows[0].idle is None)
+
+    def decode_steps(self):
+        return self.arena.steps
+
+    def replica(self):
+        """A StackedCache over an arena of its own with the same rows and a copy of each member:
+        what a step is compiled on off the batcher's thread, never touching this one."""
+        arena, members = Arena(), [cache.replica() for cache in self.arena.members]
+        arena._grow(self.arena.rows, members[0])  # the same rows: the step's views have the same strides
+        for cache in members:
+            arena.join(cache)
+        arena.steps = [arena._decode_step(i, len(members)) for i in range(len(arena.kv))]
+        return StackedCache(arena, self.rows)  # the rows (what differs between them) are only read

@@ -7,8 +7,10 @@ turn the session renders the conversation (render.py), and sync feeds only what 
 not seen, with the pinned ranges protected before their tokens are fed.
 
     ChatSession(model, tokenizer, cache=None, system_prompt=None, data_dir=None, session_id=None,
-                batcher=None, **sampling)                a new conversation (Sampling fields); a shared
-                                                         batch.Batcher decodes it in one batch with others
+                batcher=None, compile="auto", **sampling)
+                                                         a new conversation (Sampling fields); a shared
+                                                         batch.Batcher decodes it in one batch with others;
+                                                         compile: the compiled decode step (in the background)
     ChatSession.from_conversation(model, tokenizer, conversation, data_dir=None, on_progress=None, should_stop=None)
     ChatSession.open(model, tokenizer, conversation_id, data_dir, on_progress=None, should_stop=None)  (= restore)
 
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..cache.config import CacheConfig
 from ..cache.h2o import PinRefused, pinned_slots, width_name
+from ..models.compile import Compilation, step_compiler, step_kind
 from . import saved_kv, store
 from .conversation import CHOICES, Conversation, Message, Settings, cache_config, sampling, to_markdown  # noqa: F401
 from .limits import Limits
@@ -137,6 +140,13 @@ class ChatSession:
     should_stop : callable() -> bool, or None, default None
         Asked before each chunk of the replay of `conversation`: True ends it there (a Stop
         pressed while a restored conversation is read back); the next turn feeds the rest.
+    lazy : bool, default False
+        With `conversation`: fill the cache at the first turn instead of now.
+    compile : {"auto", "on", "off"}, default "auto"
+        The compiled decode step (models/compile.py, declared in `Compilation`): the session starts
+        on the eager step and switches to the compiled one when a background thread has made it;
+        "auto" compiles on a CUDA GPU only (on a CPU it stays eager, with one log line saying why),
+        "on" on any device, "off" never. Anything it cannot compile stays eager, with one log line.
     **sampling_fields
         `Sampling` fields (temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed,
         stop); what is not given is Sampling's default.
@@ -157,7 +167,8 @@ class ChatSession:
     def __init__(self, model, tokenizer, cache: CacheConfig | dict | None = None, system_prompt: str | None = None,
                  data_dir: str | os.PathLike | None = None, session_id: str | None = None,
                  conversation: Conversation | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 batcher=None, should_stop: Callable[[], bool] | None = None, lazy: bool = False, **sampling_fields):
+                 batcher=None, should_stop: Callable[[], bool] | None = None, lazy: bool = False,
+                 compile: str = Compilation.compile, **sampling_fields):
         limits = Limits.of(model)
         if conversation is None:
             settings = Settings(cache_config(cache), sampling(sampling_fields), check_system_prompt(system_prompt))
@@ -171,6 +182,8 @@ class ChatSession:
             conversation.use_settings(*limits.nearest(conversation.settings))
         self.model, self.tokenizer, self.data_dir = model, tokenizer, data_dir
         self.batcher = batcher  # batch.Batcher shared with other sessions, or None: the model runs here
+        # the model's compiled decode step (models/compile.py: compiled in the background), or None
+        self.compiler = step_compiler(model, compile, data_dir)
         self.conversation = conversation
         self.on_progress = on_progress  # callable(done, total) while the conversation is replayed
         # sentences for the user (settings that could not be used as saved, a save that became a
@@ -199,18 +212,18 @@ class ChatSession:
 
     @classmethod
     def from_conversation(cls, model, tokenizer, conversation: Conversation, data_dir=None, on_progress=None,
-                          batcher=None, should_stop=None, lazy=False) -> ChatSession:
+                          batcher=None, should_stop=None, lazy=False, compile=Compilation.compile) -> ChatSession:
         """The runtime of `conversation`: its cache state saved in `data_dir` is loaded when it
         belongs to this model and settings (only what the conversation has beyond it is fed),
         else it is replayed into a fresh cache (pinned messages protected before their tokens
         are fed, a notice saying why), calling `on_progress(done, total)` as it goes. lazy: fill
         the cache at the first turn instead (from the saved state that shares the most with it)."""
         return cls(model, tokenizer, conversation=conversation, data_dir=data_dir, on_progress=on_progress,
-                   batcher=batcher, should_stop=should_stop, lazy=lazy)
+                   batcher=batcher, should_stop=should_stop, lazy=lazy, compile=compile)
 
     @classmethod
     def open(cls, model, tokenizer, conversation_id: str, data_dir: str | os.PathLike, on_progress=None,
-             batcher=None, should_stop=None, lazy=False) -> ChatSession:
+             batcher=None, should_stop=None, lazy=False, compile=Compilation.compile) -> ChatSession:
         """A saved conversation, its cache loaded from the state saved beside it (or replayed:
         see `from_conversation`).
 
@@ -231,7 +244,7 @@ class ChatSession:
             (a ValueError) when the file is missing, corrupt or holds invalid settings.
         """
         return cls.from_conversation(model, tokenizer, store.read(data_dir, conversation_id), data_dir, on_progress,
-                                     batcher, should_stop, lazy)
+                                     batcher, should_stop, lazy, compile)
 
     restore = open
 
@@ -264,14 +277,21 @@ class ChatSession:
         """tokens_seen (fed so far), tokens_processed (run through the model, replays included),
         slots_used (per layer and KV head), kv_bytes and full_kv_bytes (what a cache that never
         evicts would hold), kv_width and model_width (how keys and values are stored: "int8",
-        "bfloat16", ...; a full cache's at the model's), ttft_s and tokens_per_s of the last reply
-        (None before one); live while a reply streams."""
+        "bfloat16", ...; a full cache's at the model's), step (the decode step that runs: "eager",
+        "compiling" or "compiled"), ttft_s and tokens_per_s of the last reply (None before one); live
+        while a reply streams."""
         t, cache = self.last_turn, self.cache
         timing = {"ttft_s": None, "tokens_per_s": None} if t is None else \
             {"ttft_s": t.ttft_s, "tokens_per_s": t.new_tokens / t.decode_s if t.decode_s else 0.0}
         return {"tokens_seen": cache.get_seq_length(), "tokens_processed": self.timeline.tokens_processed,
                 "slots_used": cache.slots_used(None), "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
-                "kv_width": cache.kv_width, "model_width": width_name(cache.dtype), **timing}
+                "kv_width": cache.kv_width, "model_width": width_name(cache.dtype), "step": self.step_kind, **timing}
+
+    @property
+    def step_kind(self):
+        """The decode step that runs this conversation's tokens: "eager", "compiling" (eager while the
+        compiled one is made in the background) or "compiled" (models/compile.py)."""
+        return step_kind(self.batcher.decoder if self.batcher is not None else self.timeline.decoder)
 
     # --- replies: generators that do their work when iterated ---------------------------------
     def send(self, text: str, role: str = "user", tool_call_id: str | None = None) -> Iterator[str]:
@@ -656,7 +676,8 @@ class ChatSession:
         new_cache = first or new.cache != was.cache
         try:
             if timeline is not None or fresh or new_cache:
-                self.timeline = timeline or Timeline(self.model, self.tokenizer, new.cache, self.batcher, self.saved)
+                self.timeline = timeline or Timeline(self.model, self.tokenizer, new.cache, self.batcher, self.saved,
+                                                     self.compiler)
             if new_cache or not self.messages:
                 self.turn_stats = []
             if first or seed_given or new.sampling != was.sampling:

@@ -76,11 +76,14 @@ def first_missing_pin(pins, layer_ids, n):
 
 
 class Timeline:
-    def __init__(self, model, tokenizer, cache_config, batcher=None, saved=None):
+    def __init__(self, model, tokenizer, cache_config, batcher=None, saved=None, compiler=None):
         self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
         self.saved = saved  # saved_kv.States: the conversation's saved states, where a sync may start from
         self.cache = H2OCache(model, config=cache_config)
         self.decoder = Decoder(model)  # the lean forward for one generated token (decode.py)
+        self.compiler = compiler  # models.compile.StepCompiler: the model's compiled step, or None
+        if compiler is not None:
+            self.decoder.switch_to(compiler.step())
         self.ledger = Ledger()
         self.logits = None
         self.snapshots = []
@@ -147,7 +150,7 @@ class Timeline:
     def copy(self):
         """Another timeline at the same state: a copy of the cache, the ledger and the snapshots
         (snapshots are only ever read, so they are shared)."""
-        twin = Timeline(self.model, self.tokenizer, self.cache.config, self.batcher)
+        twin = Timeline(self.model, self.tokenizer, self.cache.config, self.batcher, compiler=self.compiler)
         twin.cache.restore(self.cache.snapshot())
         twin.ledger = Ledger(*(list(getattr(self.ledger, name)) for name in ("vocab_ids", "pieces", "roles", "turns")))
         twin.logits, twin.snapshots, twin.tokens_processed = self.logits, list(self.snapshots), self.tokens_processed

@@ -120,6 +120,15 @@ class Decoder:
             self._compiled = torch.compile(self.layers_step, dynamic=False, **options)
         return self
 
+    def switch_to(self, compiled):
+        """Run `compiled` (layers_step's arguments and result; models/compile.py's CompiledStep) for
+        caches whose step has static shapes. One reference, read once at the start of each step."""
+        if self.why_not is None:
+            self._compiled = compiled
+        return self
+
+    compiled = property(lambda self: self._compiled, doc="what runs a step of static shapes (None: layers_step)")
+
     def scratch(self, rows, device):
         """The norms' buffers for a step of `rows` rows, made at the first one."""
         return self._scratch.get(rows) or self._scratch.setdefault(rows, Scratch.make(rows, self.hidden, self.norm.dtype,

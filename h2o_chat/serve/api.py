@@ -43,6 +43,7 @@ from ..chat.sampler import stop_token_ids
 from ..chat.session import ChatSession, GenerationError
 from ..chat.template import render, token_ids, tokenize
 from ..chat.tools import KnownCalls, ToolCalls, call_prefix, renders_tools
+from ..models.compile import Compilation
 from ..models.quantize import weights_label
 from .pool import MAX_IDLE_KV_MIB, SessionPool, TextSession
 from .requestlog import RequestLog
@@ -71,14 +72,16 @@ log = logging.getLogger("h2o_chat")
 
 
 def create_router(model, tokenizer, cache_defaults, data_dir=None, api_key=None, closed=False, concurrency=1,
-                  max_kv_mib=MAX_IDLE_KV_MIB, model_id=None, batcher=None, max_prompt_tokens=MAX_PROMPT_TOKENS):
+                  max_kv_mib=MAX_IDLE_KV_MIB, model_id=None, batcher=None, max_prompt_tokens=MAX_PROMPT_TOKENS,
+                  compile=Compilation.compile):
     """The API's routes. api_key: required as `Authorization: Bearer KEY` on every one of them;
     closed (the UI has a login and no key was given): they refuse every request, so the API is
     never open where the UI is not. model None: the model is still loading (503). batcher: the
     app's batch.Batcher, shared with the UI (None: each reply runs the model in its own worker).
-    max_prompt_tokens: a longer prompt is refused before any of it is computed."""
+    max_prompt_tokens: a longer prompt is refused before any of it is computed. compile: the sessions'
+    compiled decode step (models.compile.Compilation)."""
     api = Api(model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib, model_id, batcher,
-              max_prompt_tokens)
+              max_prompt_tokens, compile)
     router = APIRouter()
     router.pool, router.batcher, router.api = api.pool, batcher, api  # for tests and the bench: what is live
     for path, handler, method, needs_model in (
@@ -103,8 +106,9 @@ class Api:
     server-sent events from the workers' events."""
 
     def __init__(self, model, tokenizer, cache_defaults, data_dir, api_key, closed, concurrency, max_kv_mib,
-                 model_id, batcher, max_prompt_tokens=MAX_PROMPT_TOKENS):
+                 model_id, batcher, max_prompt_tokens=MAX_PROMPT_TOKENS, compile=Compilation.compile):
         self.model, self.tokenizer, self.cache_defaults, self.data_dir = model, tokenizer, cache_defaults, data_dir
+        self.compile = compile  # the sessions' compiled decode step (models/compile.py)
         self.api_key, self.closed, self.batcher = api_key, closed, batcher
         self.model_id = model_id or (model is not None and Path(model.name_or_path).name) or "h2o-chat"
         self.concurrency, self.max_prompt_tokens = concurrency, max_prompt_tokens
@@ -117,15 +121,15 @@ class Api:
 
     def make_session(self, kind, cache, system_prompt):
         if kind == "text":
-            return TextSession(self.model, self.tokenizer, cache=cache, batcher=self.batcher)
+            return TextSession(self.model, self.tokenizer, cache=cache, batcher=self.batcher, compile=self.compile)
         return ChatSession(self.model, self.tokenizer, cache=cache, system_prompt=system_prompt,
-                           data_dir=self.data_dir, batcher=self.batcher)
+                           data_dir=self.data_dir, batcher=self.batcher, compile=self.compile)
 
     def open_saved(self, conversation_id):
         """A saved chat conversation back from disk (the pool dropped it, or the server restarted);
         lazily: the request's first sync loads the saved cache state that shares the most with it."""
         return ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir, batcher=self.batcher,
-                                lazy=True)
+                                lazy=True, compile=self.compile)
 
     # --- access ----------------------------------------------------------------------------------
     def check_access(self, request):

@@ -92,6 +92,7 @@ def parse_args(argv=None):
     check_app_installed()
     from ..cache.config import APP_FIELDS, CacheConfig
     from ..chat.saved_kv import DiskBudget
+    from ..models.compile import Compilation
     from .api import MAX_PROMPT_TOKENS
     from .pool import MAX_IDLE_KV_MIB
 
@@ -106,6 +107,7 @@ def parse_args(argv=None):
         if setting.name in APP_FIELDS:
             add_setting_flag(p, setting)
     DISK_SETTINGS = {f.name: f for f in fields(DiskBudget)}
+    add_setting_flag(p, fields(Compilation)[0], "--compile")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     add_quantization_flag(p)
     # the flags of before --quantization, kept working: each is one of its values
@@ -221,14 +223,15 @@ def main(argv=None):
     show_requests(args.quiet)
     saved_kv.BUDGET = disk_budget  # every conversation's saved caches share it
     from ..chat.batch import Batcher
-    batcher = Batcher(model, args.concurrency) if args.concurrency > 1 else None  # the UI and the API share it
+    # the UI and the API share it; the decode step starts eager and is compiled in the background (--compile)
+    batcher = Batcher(model, args.concurrency, compile=args.compile, data_dir=args.data_dir) if args.concurrency > 1 else None
     from .api import create_router
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
                         closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher,
-                        max_prompt_tokens=args.max_prompt_tokens)
+                        max_prompt_tokens=args.max_prompt_tokens, compile=args.compile)
     # the page lists the API's live conversations and can watch one (ui/ never imports serve/: it is handed this)
     demo = build(model, tokenizer, cache, args.data_dir, concurrency=args.concurrency, batcher=batcher,
-                 watchable=api.pool.watchable)
+                 watchable=api.pool.watchable, compile=args.compile)
     demo.queue(default_concurrency_limit=args.concurrency)
     login = page_login(auth, args.api_key)
     message = "Any user name, and the server's API key as the password." if callable(login) else None

@@ -289,6 +289,7 @@ def stats_markdown(stats, retention, layer=None, head=None, live=None, weights=N
     return (f"**{stats['tokens_seen']:,}** tokens seen · **{stats['slots_used']:,}** slots per head · "
             f"KV **{stats['kv_bytes'] / 2**20:.1f} MiB** in {stats['kv_width']} (a full cache: "
             f"{stats['full_kv_bytes'] / 2**20:.1f} MiB{full_width}, {saved:.0%} saved) · {timing}" + (f" · weights {weights}" if weights else "")
+            + f" · {stats['step']} step"
             + f"\n\n{view_counts(retention, layer, head)}")
 
 

@@ -14,6 +14,7 @@ import gradio as gr
 
 from ..chat.conversation import cache_config
 from ..chat.template import SYSTEM
+from ..models.compile import Compilation
 from . import chat as ui_chat
 from . import panel as ui_panel
 from . import settings as ui_settings
@@ -129,13 +130,14 @@ class Tab:
 
 
 def build(model, tokenizer, cache_defaults, data_dir, concurrency=1, chat_defaults=None, batcher=None,
-          watchable=None):
+          watchable=None, compile=Compilation.compile):
     """The app. cache_defaults: CacheConfig fields for new sessions; chat_defaults: other
     ChatSession arguments (sampling, system prompt); watchable: () -> [(session, client)], the
-    conversations the /v1 API holds live (SessionPool.watchable), listed and watchable in the page.
+    conversations the /v1 API holds live (SessionPool.watchable), listed and watchable in the page;
+    compile: the sessions' compiled decode step (models.compile.Compilation).
     The returned Blocks carries the App as `demo.h2o_app` (its live sessions: `.live`)."""
     app = App(model, tokenizer, dict(cache_defaults), data_dir, dict(chat_defaults or {}), concurrency, batcher,
-              watchable)
+              watchable, compile=compile)
     with gr.Blocks(title="h2o-chat", analytics_enabled=False) as demo:
         session = gr.State(None)  # the session the tab shows; App.live holds it (and frees it), not the tab
         state = gr.State(new_view())  # the panel's layer and head, what the tab drew, per tab

@@ -21,6 +21,7 @@ import gradio as gr
 from ..chat import saved_kv, store
 from ..chat.session import ChatSession
 from ..chat.template import tokenize
+from ..models.compile import Compilation
 from .live import LiveSessions
 
 # How often a streaming reply updates the page. The browser redraws each update and, on a small
@@ -47,6 +48,7 @@ class App:
     # () -> [(session, client)]: the conversations the /v1 API holds live (serve/cli.py hands the
     # pool's `watchable`; ui/ never imports serve/); None: no API beside the page
     watchable: object = None
+    compile: str = Compilation.compile  # the sessions' compiled decode step (models/compile.py)
     live: LiveSessions = field(default_factory=LiveSessions)  # the page's conversations, one session each
     prefill: "PrefillSpeed" = field(default_factory=lambda: PrefillSpeed())  # how fast this machine reads a prompt
 
@@ -60,7 +62,7 @@ class App:
 
     def new_session(self):
         return ChatSession(self.model, self.tokenizer, cache=dict(self.cache_defaults), data_dir=self.data_dir,
-                           batcher=self.batcher, **self.chat_defaults)
+                           batcher=self.batcher, compile=self.compile, **self.chat_defaults)
 
     def open(self, conversation_id, progress=None):
         """A saved conversation, its cache loaded from the state saved beside it; replayed through a
@@ -74,7 +76,7 @@ class App:
         started = time.perf_counter()
         try:
             session = ChatSession.open(self.model, self.tokenizer, conversation_id, self.data_dir,
-                                       on_progress=on_progress, batcher=self.batcher)
+                                       on_progress=on_progress, batcher=self.batcher, compile=self.compile)
         except store.SessionFileError as e:
             raise ValueError(str(e)) from None
         self.prefill.record(session.stats["tokens_processed"], time.perf_counter() - started)
