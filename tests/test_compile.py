@@ -102,7 +102,7 @@ def test_stacked_rows_are_compiled_shape_by_shape_in_the_background():
     # is compiled on a replica in the compiler's thread, and runs compiled afterwards; the logits
     # are the eager step's throughout
     model = make_tiny_llama(torch.float32)
-    backend = Traced()
+    backend = Traced(hold=True)  # each compile waits for `go`: "compiling" does not race the steps
     compiler = StepCompiler(model, backend=backend)
     decoder, eager = Decoder(model).switch_to(compiler.step()), Decoder(model)
 
@@ -128,7 +128,9 @@ def test_stacked_rows_are_compiled_shape_by_shape_in_the_background():
                     assert torch.equal(run(decoder, *mine, t, shape), run(eager, *reference, t, shape)), (shape, t)
                     assert decoder.compiled.kind == ("compiled" if rounds == "compiled" else "compiling"), (shape, t)
                     t += 1
+                backend.go.set()
                 assert compiler.wait(WAIT_S)
+                backend.go.clear()
     assert backend.threads == ["h2o-compile"] * 3 and len(compiler.ready) == 3
 
 

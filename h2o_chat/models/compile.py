@@ -185,6 +185,8 @@ class Job:
     inference: bool  # the step ran under torch.inference_mode
     grad: bool  # and with grad mode on (Dynamo guards on both)
     threads: int  # its intra-op threads
+    steps_inference: bool  # the user's decode steps (cache.begin's) are inference tensors
+    scratch_inference: bool  # and the user's norm scratch
 
 
 class StepCompiler:
@@ -224,10 +226,10 @@ class StepCompiler:
             if graphs_run() > before:
                 return (logits.clone() if self.cudagraphs else logits), True  # the graph's buffer is the next replay's
             return logits, False
-        self.ask(shape, token_ids, positions, cache)
+        self.ask(shape, token_ids, positions, cache, scratch)
         return self.decoder.layers_step(token_ids, positions, cache, scratch), False
 
-    def ask(self, shape, token_ids, positions, cache):
+    def ask(self, shape, token_ids, positions, cache, scratch):
         """Compile `shape` in the compiler's thread (once), on a replica of `cache` made here."""
         with self._lock:
             if self.failed is not None or shape in self.asked:
@@ -242,8 +244,11 @@ class StepCompiler:
         except Exception as e:  # never the user's step's failure: it runs eagerly
             self.fail(e)
             return
+        # Decoder.step makes the decode steps' views (cache.begin) and the norms' scratch before it
+        # enters inference_mode for the tensor work: the replica's are made as the user's were
+        made_inference = (cache.decode_steps()[0].victim.is_inference(), scratch.wide.is_inference())
         job = Job(shape, token_ids, positions, replica, torch.is_inference_mode_enabled(), torch.is_grad_enabled(),
-                  torch.get_num_threads())
+                  torch.get_num_threads(), *made_inference)
         with self._lock:
             self._jobs.append(job)
             if not self.busy:  # the thread ends when it has nothing left (so a dropped model can be freed)
@@ -271,15 +276,18 @@ class StepCompiler:
         if torch.get_num_threads() != job.threads:
             torch.set_num_threads(job.threads)
         start = time.perf_counter()
-        with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):  # inference_mode(False) turns grad on
-            cache, rows = job.cache, job.token_ids.shape[0]
+        cache, rows = job.cache, job.token_ids.shape[0]
+        with torch.inference_mode(job.scratch_inference), torch.no_grad():  # inference_mode(False) turns grad on
             scratch = self.decoder.scratch(rows, job.token_ids.device)
+        with torch.inference_mode(job.steps_inference), torch.no_grad():
             cache.begin(1)
-            if not cache.static_step:
-                raise RuntimeError("the replica of a cache with static shapes has none")
-            if self.cudagraphs:
-                mark_static(cache, scratch)
+        if not cache.static_step:
+            raise RuntimeError("the replica of a cache with static shapes has none")
+        if self.cudagraphs:
+            mark_static(cache, scratch)
+        with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
             self.compiled(job.token_ids, job.positions, cache, scratch)
+        with torch.inference_mode(job.steps_inference), torch.no_grad():
             cache.end()
         self.compiles.append((job.shape, time.perf_counter() - start))
         self.ready = self.ready | {job.shape}  # after Dynamo installed the code: the switch, one assignment
