@@ -40,6 +40,11 @@ def main(argv=None):
     # budgets as the paper gives them, fractions of the text (a sweep), where the library's is one chat's slot count
     cache_flag(p, "budget", "--budgets", "--budget", sweep=numbers, default=[0.1, 0.2, 0.5],
                note="fractions of --tokens (0.1,0.2,0.5) or counts (410,820); a list sweeps it")
+    p.add_argument("--memory", type=memory.memory_points, default=None,
+                   help="instead of --budgets: fractions of the full cache's KV bytes (0.1,0.2), a full cache at the "
+                        "model's width holding the tokens streamed; each --kv-quant width gets the most slots whose "
+                        "bytes fit, a slot's bytes measured (int8 codes plus float32 scales and zero points: 1.78x "
+                        "the slots of bf16 at head_dim 64)")
     cache_flag(p, "n_sink", sweep=numbers, note="a list sweeps it (0,4,8)")
     cache_flag(p, "n_recent", sweep=numbers, note="fractions of the budget (0.25,0.5,0.75), counts, or auto "
                "(None); the heavy hitters get the rest; a list sweeps it")
