@@ -16,9 +16,10 @@ Each subcommand is the module of that name; this file is the command line only (
 options and helpers are cli.py's).
 """
 
+import argparse
 import sys
 
-from . import compress, memory, ppl, summarize, template_ppl
+from . import compress, head_budgets, memory, ppl, summarize, template_ppl
 from .cli import add_quick, apply_quick, base_parser, cache_flag, name_list, quantization_flag
 from .common import SHAKESPEARE
 from .peers import kvpress, openvino
@@ -27,6 +28,15 @@ from .peers import kvpress, openvino
 def numbers(text):
     """'0.1,0.2,0.5' -> [0.1, 0.2, 0.5] (fractions), '410,820' -> [410, 820] (counts), 'auto' -> [None]."""
     return [None if x == "auto" else float(x) if "." in x else int(x) for x in text.split(",")]
+
+
+def head_budget_list(text):
+    """'library,ada-kv' -> ['library', 'ada-kv'], each one of head_budgets.SHARED_BY."""
+    values = name_list(text)
+    unknown = [v for v in values if v not in head_budgets.SHARED_BY]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown head budget {unknown[0]!r}; use {', '.join(head_budgets.SHARED_BY)}")
+    return values
 
 
 def main(argv=None):
@@ -51,6 +61,10 @@ def main(argv=None):
     cache_flag(p, "positions", sweep=name_list, note="rolling, absolute or both")
     cache_flag(p, "budget_shape", sweep=name_list, note="uniform, pyramid or both (at the same total)")
     cache_flag(p, "kv_quant", sweep=name_list, note="none, int8 or both (none,int8): each a run")
+    p.add_argument("--head-budget", type=head_budget_list, default=["library"],
+                   help="library (H2OCache), per-head (the bench's head-budget cache with every head its budget: "
+                        "must give library's ppl) or ada-kv (the same cache, each layer's kv_heads x budget slots "
+                        "shared by its heads' highest scores); a list sweeps it; bench/head_budgets.py")
     # 16, not the library's 256: the caches here stream the text and should evict almost token by
     # token, as in the paper; 256 is the chunk that makes one long prompt's prefill fast
     cache_flag(p, "prefill_chunk", "--chunk", default=16, note="the caches evict every this many tokens")

@@ -31,6 +31,7 @@ from ..models.load import load_model
 from ..models.quantize import weights_label
 from . import memory
 from .common import make_cache, text_tokens, write_plot, write_results
+from .head_budgets import SHARED_BY, HeadBudgetCache
 
 PPL_METHODS = ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"]
 LONG_METHODS = ["full", "window", "sink", "h2o-sum"]
@@ -59,11 +60,11 @@ def ppl_configs(args, budget_at):
     and sink keep the newest tokens (n_recent changes nothing), window has no sinks. A label
     names only the knobs that vary on the command line."""
     varies = {"n_sink": len(args.n_sink) > 1, "n_recent": len(args.n_recent) > 1, "positions": len(args.positions) > 1,
-              "budget_shape": len(args.budget_shape) > 1}
+              "budget_shape": len(args.budget_shape) > 1, "head_budget": len(args.head_budget) > 1}
     seen, configs = set(), []
-    for method, point, n_sink, recent, positions, shape, kv_quant in itertools.product(
+    for method, point, n_sink, recent, positions, shape, kv_quant, heads in itertools.product(
             args.methods, points_of(args), args.n_sink, args.n_recent, args.positions, args.budget_shape,
-            args.kv_quant):
+            args.kv_quant, args.head_budget):
         policy, _, score = method.partition("-")
         budget = budget_at(point, kv_quant)
         # n_recent: a fraction of the budget, a slot count, or None (the library's default split)
@@ -77,7 +78,9 @@ def ppl_configs(args, budget_at):
             if shape == "uniform":
                 raise
             continue  # a pyramid with nothing to share (window, sink keep only sinks and newest): skipped
-        key = ("full", kv_quant) if policy == "full" else (method, limits, positions, shape, kv_quant)
+        if policy == "full" and heads != "library":
+            continue  # nothing evicted: the head budgets are H2OCache's full cache
+        key = ("full", kv_quant) if policy == "full" else (method, limits, positions, shape, kv_quant, heads)
         if key in seen:
             continue
         seen.add(key)
@@ -91,7 +94,9 @@ def ppl_configs(args, budget_at):
             label.append(positions)
         if policy != "full" and varies["budget_shape"]:
             label.append(shape)
-        configs.append((" ".join(label), method, kw, limits, point))
+        if policy != "full" and varies["head_budget"]:
+            label.append(heads)
+        configs.append((" ".join(label), method, {**kw, "head_budget": heads}, limits, point))
     return configs
 
 
@@ -140,8 +145,9 @@ def run(args):
                     + ("; memory: the share of a full cache's KV bytes (at the model's width, for the tokens fed) "
                        "the budget fits in; kv_pct: what the cache held at the end" if args.memory else ""),
             **({"bytes_per_token": per_token} if args.memory else {})}
-    columns = ["label", *(["memory"] if args.memory else []), "budget", "budget_pct", "kv_pct", "n_sink", "n_recent", "positions", "budget_shape", "ppl",
-               "vs_full", "seconds"]
+    heads = ["head_budget"] if args.head_budget != ["library"] else []  # the column only where the bench's cache ran
+    columns = ["label", *(["memory"] if args.memory else []), "budget", "budget_pct", "kv_pct", "n_sink", "n_recent",
+               "positions", "budget_shape", *heads, "ppl", "vs_full", "seconds"]
     if len(args.quantization) > 1:
         columns[1:1] = ["quantization"]
         columns.insert(-1, f"vs_{args.quantization[0]}")
@@ -164,7 +170,10 @@ def short_ppl(args, model, tokenizer, quantization):
     tokens = text_tokens(tokenizer, args.text, args.tokens)
     rows = []
     for label, method, kw, limits, point in ppl_configs(args, budget_at):
-        cache = H2OCache(model, prefill_chunk=args.chunk, **kw)
+        settings = {k: v for k, v in kw.items() if k != "head_budget"}
+        shared = SHARED_BY[kw["head_budget"]]
+        cache = (H2OCache(model, prefill_chunk=args.chunk, **settings) if shared is None else
+                 HeadBudgetCache(model, shared=shared, prefill_chunk=args.chunk, **settings))
         start = time.perf_counter()
         ppl = ppl_of(streaming_nlls(model, tokens, cache, args.feed))
         unbounded = kw["policy"] == "full"
@@ -177,7 +186,8 @@ def short_ppl(args, model, tokenizer, quantization):
                      "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
                      "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
                      "positions": "" if unbounded else kw["positions"],
-                     "budget_shape": "" if unbounded else kw["budget_shape"], "ppl": ppl,
+                     "budget_shape": "" if unbounded else kw["budget_shape"],
+                     "head_budget": "" if unbounded else kw["head_budget"], "ppl": ppl,
                      "seconds": round(time.perf_counter() - start, 1)})
         print(rows[-1], flush=True)
     full = next((r["ppl"] for r in rows if r["label"] == "full"), None)
