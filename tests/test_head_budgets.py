@@ -125,7 +125,7 @@ def test_ppl_head_budget_flag(tiny_model_dir, play_text, tmp_path):
                    "--head-budget", "library,per-head,ada-kv", "--long-tokens", "0"])
     rows = {r["label"]: r for r in read_results(tmp_path, "ppl")["rows"]}
     assert list(rows) == ["full", "h2o-sum library", "h2o-sum per-head", "h2o-sum ada-kv"]
-    assert rows["h2o-sum per-head"]["ppl"] == rows["h2o-sum library"]["ppl"]
+    assert rows["h2o-sum per-head"]["mean_nll"] == rows["h2o-sum library"]["mean_nll"]
     assert {rows[k]["kv_pct"] for k in list(rows)[1:]} == {f"{32 / 159:.1%}"}
     assert "| head_budget |" in (tmp_path / "ppl.md").read_text()
     with pytest.raises(SystemExit):

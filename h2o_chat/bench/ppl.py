@@ -175,7 +175,8 @@ def short_ppl(args, model, tokenizer, quantization):
         cache = (H2OCache(model, prefill_chunk=args.chunk, **settings) if shared is None else
                  HeadBudgetCache(model, shared=shared, prefill_chunk=args.chunk, **settings))
         start = time.perf_counter()
-        ppl = ppl_of(streaming_nlls(model, tokens, cache, args.feed))
+        nlls = streaming_nlls(model, tokens, cache, args.feed)
+        ppl = ppl_of(nlls)
         unbounded = kw["policy"] == "full"
         rows.append({"label": label, "quantization": quantization, "method": method,
                      **({"memory": "100%" if unbounded else memory.percent(point)} if args.memory else {}),
@@ -188,6 +189,8 @@ def short_ppl(args, model, tokenizer, quantization):
                      "positions": "" if unbounded else kw["positions"],
                      "budget_shape": "" if unbounded else kw["budget_shape"],
                      "head_budget": "" if unbounded else kw["head_budget"], "ppl": ppl,
+                     # unrounded, in the JSON only: two arms that must agree (per-head, library) compared exactly
+                     "mean_nll": nlls.double().mean().item(),
                      "seconds": round(time.perf_counter() - start, 1)})
         print(rows[-1], flush=True)
     full = next((r["ppl"] for r in rows if r["label"] == "full"), None)
