@@ -21,9 +21,10 @@ move between heads. Scores are compared across heads as they are (H2O's accumula
 mass, or the mass per query with `mean`): each query's softmax sums to 1 in every head, so a
 head's mass is on the same scale as another's.
 
-`shared="head"` (`--head-budget per-head`) makes each head a group of its own, `budget` slots each: H2OCache's rule through
-this code, which must give H2OCache's perplexity (tests/test_head_budgets.py: bit for bit on the
-tiny model; docs/budgets.md: on the embedded one) before its `layer` (`ada-kv`) figure means anything.
+`shared="head"` (`--head-budget per-head`) makes each head a group of its own, `budget` slots
+each: H2OCache's rule through this code, which must give H2OCache's perplexity (bit for bit:
+tests/test_head_budgets.py on the tiny model, docs/budgets.md on the embedded one) before its
+`layer` (`--head-budget ada-kv`) figure means anything.
 
 Only what the ppl bench drives: batch 1, the general (chunked) path; never the decode step.
 """

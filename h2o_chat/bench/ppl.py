@@ -16,6 +16,10 @@ cache's on the first weights: vs_none); the long part runs on the first weights 
 of its tokens: each arm (each --kv-quant width) gets the most slots whose bytes fit in that share
 of what a full cache at the model's width holds at the end of the stream (memory.py; a slot's
 bytes measured), so int8 slots get 1.78x the tokens of bf16 ones in the same bytes.
+
+--head-budget library,per-head,ada-kv runs the h2o arms through H2OCache (library) or through
+head_budgets.py's cache: every head its budget (per-head, which must equal library exactly) or a
+layer's heads sharing their slots (ada-kv, Ada-KV's joint choice); docs/budgets.md.
 """
 
 import itertools
