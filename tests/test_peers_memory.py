@@ -157,6 +157,31 @@ def test_compress_at_equal_memory_gives_int8_more_slots_in_the_same_bytes(tiny_m
         "h2o-sum", "h2o-sum:int8", f"full ({full['kv_MiB']} MiB)"]
 
 
+def test_streaming_ppl_at_equal_memory_fills_each_bytes_share_within_one_token(tiny_model_dir, play_text, tmp_path):
+    """`evaluate ppl --memory`: each width's budget is the most slots whose bytes (the cache's own
+    kv_bytes() at the end of the stream) fit in the share of the full cache's (its full_kv_bytes()),
+    one more token's bytes (measured, from the run's meta) would not; int8 gets more slots."""
+    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
+                   "--tokens", "96", "--memory", "0.2,0.5", "--chunk", "8", "--methods", "full,h2o-sum,h2o-mean",
+                   "--kv-quant", "none,int8", "--long-tokens", "0"])
+    data = read_results(tmp_path, "ppl")
+    rows, per_token = data["rows"], data["meta"]["bytes_per_token"]
+    assert [(r["label"], r["memory"]) for r in rows] == [("full", "100%"), ("full:int8", "100%")] + [
+        (m + w, p) for m in ("h2o-sum", "h2o-mean") for p in ("20%", "50%") for w in ("", ":int8")]
+    full = rows[0]
+    assert full["kv_bytes"] == full["full_kv_bytes"] == 95 * per_token["model width"]  # 96 tokens, 95 fed
+    by = {(r["label"], r["memory"]): r for r in rows}
+    for method in ("h2o-sum", "h2o-mean"):
+        for point in ("20%", "50%"):
+            bf16, int8 = by[(method, point)], by[(method + ":int8", point)]
+            assert int8["budget"] > bf16["budget"]
+            for r, slot in ((bf16, per_token["model width"]), (int8, per_token["int8"])):
+                allowed = Fraction(point[:-1]) / 100 * r["full_kv_bytes"]
+                assert r["kv_bytes"] == r["budget"] * slot  # the budget is what it held at the end
+                assert r["kv_bytes"] <= allowed < r["kv_bytes"] + slot
+    assert "| memory | budget |" in (tmp_path / "ppl.md").read_text()
+
+
 @needs_kvpress
 def test_compress_at_equal_memory_runs_the_presses_at_the_models_width(tiny_model_dir, play_text, tmp_path):
     evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "compress", "--quick", "--text",

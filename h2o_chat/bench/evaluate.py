@@ -16,9 +16,10 @@ Each subcommand is the module of that name; this file is the command line only (
 options and helpers are cli.py's).
 """
 
+import argparse
 import sys
 
-from . import compress, memory, ppl, summarize, template_ppl
+from . import compress, head_budgets, memory, ppl, summarize, template_ppl
 from .cli import add_quick, apply_quick, base_parser, cache_flag, name_list, quantization_flag
 from .common import SHAKESPEARE
 from .peers import kvpress, openvino
@@ -27,6 +28,15 @@ from .peers import kvpress, openvino
 def numbers(text):
     """'0.1,0.2,0.5' -> [0.1, 0.2, 0.5] (fractions), '410,820' -> [410, 820] (counts), 'auto' -> [None]."""
     return [None if x == "auto" else float(x) if "." in x else int(x) for x in text.split(",")]
+
+
+def head_budget_list(text):
+    """'library,ada-kv' -> ['library', 'ada-kv'], each one of head_budgets.SHARED_BY."""
+    values = name_list(text)
+    unknown = [v for v in values if v not in head_budgets.SHARED_BY]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown head budget {unknown[0]!r}; use {', '.join(head_budgets.SHARED_BY)}")
+    return values
 
 
 def main(argv=None):
@@ -40,12 +50,21 @@ def main(argv=None):
     # budgets as the paper gives them, fractions of the text (a sweep), where the library's is one chat's slot count
     cache_flag(p, "budget", "--budgets", "--budget", sweep=numbers, default=[0.1, 0.2, 0.5],
                note="fractions of --tokens (0.1,0.2,0.5) or counts (410,820); a list sweeps it")
+    p.add_argument("--memory", type=memory.memory_points, default=None,
+                   help="instead of --budgets: fractions of the full cache's KV bytes (0.1,0.2), a full cache at the "
+                        "model's width holding the tokens streamed; each --kv-quant width gets the most slots whose "
+                        "bytes fit, a slot's bytes measured (int8 codes plus float32 scales and zero points: 1.78x "
+                        "the slots of bf16 at head_dim 64)")
     cache_flag(p, "n_sink", sweep=numbers, note="a list sweeps it (0,4,8)")
     cache_flag(p, "n_recent", sweep=numbers, note="fractions of the budget (0.25,0.5,0.75), counts, or auto "
                "(None); the heavy hitters get the rest; a list sweeps it")
     cache_flag(p, "positions", sweep=name_list, note="rolling, absolute or both")
     cache_flag(p, "budget_shape", sweep=name_list, note="uniform, pyramid or both (at the same total)")
     cache_flag(p, "kv_quant", sweep=name_list, note="none, int8 or both (none,int8): each a run")
+    p.add_argument("--head-budget", type=head_budget_list, default=["library"],
+                   help="library (H2OCache), per-head (the bench's head-budget cache with every head its budget: "
+                        "must give library's ppl) or ada-kv (the same cache, each layer's kv_heads x budget slots "
+                        "shared by its heads' highest scores); a list sweeps it; bench/head_budgets.py")
     # 16, not the library's 256: the caches here stream the text and should evict almost token by
     # token, as in the paper; 256 is the chunk that makes one long prompt's prefill fast
     cache_flag(p, "prefill_chunk", "--chunk", default=16, note="the caches evict every this many tokens")

@@ -11,6 +11,15 @@ layer, which gives exactly what feeding --chunk tokens per call gives, with far 
 
 --quantization none,auto,int8 runs the short part once per weights (each row against the same
 cache's on the first weights: vs_none); the long part runs on the first weights only.
+
+--memory 0.1,0.2 gives the short part's budgets as fractions of the full cache's KV bytes instead
+of its tokens: each arm (each --kv-quant width) gets the most slots whose bytes fit in that share
+of what a full cache at the model's width holds at the end of the stream (memory.py; a slot's
+bytes measured), so int8 slots get 1.78x the tokens of bf16 ones in the same bytes.
+
+--head-budget library,per-head,ada-kv runs the h2o arms through H2OCache (library) or through
+head_budgets.py's cache: every head its budget (per-head, which must equal library exactly) or a
+layer's heads sharing their slots (ada-kv, Ada-KV's joint choice); docs/budgets.md.
 """
 
 import itertools
@@ -24,7 +33,9 @@ from ..cache.config import CacheConfig
 from ..cache.h2o import H2OCache
 from ..models.load import load_model
 from ..models.quantize import weights_label
+from . import memory
 from .common import make_cache, text_tokens, write_plot, write_results
+from .head_budgets import SHARED_BY, HeadBudgetCache
 
 PPL_METHODS = ["full", "window", "sink", "h2o-sum", "h2o-mean", "h2o-decay"]
 LONG_METHODS = ["full", "window", "sink", "h2o-sum"]
@@ -46,17 +57,20 @@ def ppl_of(nlls):
     return round(math.exp(nlls.double().mean().item()), 3)
 
 
-def ppl_configs(args, budgets):
-    """The caches to run: (label, method, CacheConfig kwargs, resolved Budget), each distinct
-    cache once. Knobs that mean nothing to a policy are not swept for it: full has none, window
+def ppl_configs(args, budget_at):
+    """The caches to run: (label, method, CacheConfig kwargs, resolved Budget, point), each distinct
+    cache once. `point` is a --budgets or --memory value; budget_at(point, kv_quant) its slots for
+    that width. Knobs that mean nothing to a policy are not swept for it: full has none, window
     and sink keep the newest tokens (n_recent changes nothing), window has no sinks. A label
     names only the knobs that vary on the command line."""
     varies = {"n_sink": len(args.n_sink) > 1, "n_recent": len(args.n_recent) > 1, "positions": len(args.positions) > 1,
-              "budget_shape": len(args.budget_shape) > 1}
+              "budget_shape": len(args.budget_shape) > 1, "head_budget": len(args.head_budget) > 1}
     seen, configs = set(), []
-    for method, budget, n_sink, recent, positions, shape, kv_quant in itertools.product(
-            args.methods, budgets, args.n_sink, args.n_recent, args.positions, args.budget_shape, args.kv_quant):
+    for method, point, n_sink, recent, positions, shape, kv_quant, heads in itertools.product(
+            args.methods, points_of(args), args.n_sink, args.n_recent, args.positions, args.budget_shape,
+            args.kv_quant, args.head_budget):
         policy, _, score = method.partition("-")
+        budget = budget_at(point, kv_quant)
         # n_recent: a fraction of the budget, a slot count, or None (the library's default split)
         n_recent = round(recent * budget) if isinstance(recent, float) else recent
         kw = dict(policy=policy, budget=budget, n_sink=n_sink, score=score or "sum",
@@ -68,7 +82,9 @@ def ppl_configs(args, budgets):
             if shape == "uniform":
                 raise
             continue  # a pyramid with nothing to share (window, sink keep only sinks and newest): skipped
-        key = ("full", kv_quant) if policy == "full" else (method, limits, positions, shape, kv_quant)
+        if policy == "full" and heads != "library":
+            continue  # nothing evicted: the head budgets are H2OCache's full cache
+        key = ("full", kv_quant) if policy == "full" else (method, limits, positions, shape, kv_quant, heads)
         if key in seen:
             continue
         seen.add(key)
@@ -82,16 +98,43 @@ def ppl_configs(args, budgets):
             label.append(positions)
         if policy != "full" and varies["budget_shape"]:
             label.append(shape)
-        configs.append((" ".join(label), method, kw, limits))
+        if policy != "full" and varies["head_budget"]:
+            label.append(heads)
+        configs.append((" ".join(label), method, {**kw, "head_budget": heads}, limits, point))
     return configs
 
 
+def points_of(args):
+    """The short part's points: --memory's fractions of the full cache's bytes, else --budgets'
+    fractions of --tokens (0.1) or slot counts (410)."""
+    return args.memory or args.budgets
+
+
+def budgets_for(args, model):
+    """budget_at(point, kv_quant) -> slots per layer and KV head. A --budgets point: a fraction of
+    --tokens or a count. A --memory point: the most slots of that width whose bytes fit in that share
+    of a full cache at the model's width holding the stream (its --tokens - 1 inputs: what
+    full_kv_bytes() counts at the end), a slot's bytes measured (memory.bytes_per_token). Also
+    returns the bytes a token measured, per width (empty without --memory)."""
+    if not args.memory:
+        return (lambda point, kv_quant: max(1, round(point * args.tokens)) if isinstance(point, float) else point), {}
+    per_token = {"model width": memory.bytes_per_token(model)}
+    per_token.update({q: memory.bytes_per_token(model, q) for q in args.kv_quant if q != "none"})
+
+    def budget_at(point, kv_quant):
+        width = "model width" if kv_quant == "none" else kv_quant
+        return max(1, memory.slots_at(point, args.tokens - 1, per_token["model width"], per_token[width]))
+
+    return budget_at, per_token
+
+
 def run(args):
-    rows, weights, first = [], {}, None
+    rows, weights, first, per_token = [], {}, None, {}
     for quantization in args.quantization:
         model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization)
         weights[quantization] = weights_label(model)
-        rows += short_ppl(args, model, tokenizer, quantization)
+        short_rows, per_token = short_ppl(args, model, tokenizer, quantization)
+        rows += short_rows
         if first is None:
             first = (model, tokenizer)
         else:
@@ -102,9 +145,13 @@ def run(args):
     model = first[0]
     meta = {"command": args.command_line, "text": args.text, "tokens": args.tokens,
             "chunk": args.chunk, "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights,
-            "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"}
-    columns = ["label", "budget", "budget_pct", "kv_pct", "n_sink", "n_recent", "positions", "budget_shape", "ppl",
-               "vs_full", "seconds"]
+            "note": "budget, n_sink, n_recent: slots per layer and KV head; h2o's heavy hitters get the rest"
+                    + ("; memory: the share of a full cache's KV bytes (at the model's width, for the tokens fed) "
+                       "the budget fits in; kv_pct: what the cache held at the end" if args.memory else ""),
+            **({"bytes_per_token": per_token} if args.memory else {})}
+    heads = ["head_budget"] if args.head_budget != ["library"] else []  # the column only where the bench's cache ran
+    columns = ["label", *(["memory"] if args.memory else []), "budget", "budget_pct", "kv_pct", "n_sink", "n_recent",
+               "positions", "budget_shape", *heads, "ppl", "vs_full", "seconds"]
     if len(args.quantization) > 1:
         columns[1:1] = ["quantization"]
         columns.insert(-1, f"vs_{args.quantization[0]}")
@@ -123,28 +170,37 @@ def run(args):
 def short_ppl(args, model, tokenizer, quantization):
     """The rows of the short part for one model."""
     # budgets: fractions of the span (0.2 = 20% of --tokens) or slot counts
-    budgets = [max(1, round(b * args.tokens)) if isinstance(b, float) else b for b in args.budgets]
+    budget_at, per_token = budgets_for(args, model)
     tokens = text_tokens(tokenizer, args.text, args.tokens)
     rows = []
-    for label, method, kw, limits in ppl_configs(args, budgets):
-        cache = H2OCache(model, prefill_chunk=args.chunk, **kw)
+    for label, method, kw, limits, point in ppl_configs(args, budget_at):
+        settings = {k: v for k, v in kw.items() if k != "head_budget"}
+        shared = SHARED_BY[kw["head_budget"]]
+        cache = (H2OCache(model, prefill_chunk=args.chunk, **settings) if shared is None else
+                 HeadBudgetCache(model, shared=shared, prefill_chunk=args.chunk, **settings))
         start = time.perf_counter()
-        ppl = ppl_of(streaming_nlls(model, tokens, cache, args.feed))
+        nlls = streaming_nlls(model, tokens, cache, args.feed)
+        ppl = ppl_of(nlls)
         unbounded = kw["policy"] == "full"
         rows.append({"label": label, "quantization": quantization, "method": method,
+                     **({"memory": "100%" if unbounded else memory.percent(point)} if args.memory else {}),
                      "budget": "all" if unbounded else limits.budget,
                      "budget_pct": "100%" if unbounded else f"{limits.budget / args.tokens:.0%}",
                      # the bytes it holds at the end against a full cache at the model's width
                      "kv_pct": f"{cache.kv_bytes() / cache.full_kv_bytes():.1%}",
+                     "kv_bytes": cache.kv_bytes(), "full_kv_bytes": cache.full_kv_bytes(),
                      "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
                      "positions": "" if unbounded else kw["positions"],
-                     "budget_shape": "" if unbounded else kw["budget_shape"], "ppl": ppl,
+                     "budget_shape": "" if unbounded else kw["budget_shape"],
+                     "head_budget": "" if unbounded else kw["head_budget"], "ppl": ppl,
+                     # unrounded, in the JSON only: two arms that must agree (per-head, library) compared exactly
+                     "mean_nll": nlls.double().mean().item(),
                      "seconds": round(time.perf_counter() - start, 1)})
         print(rows[-1], flush=True)
     full = next((r["ppl"] for r in rows if r["label"] == "full"), None)
     for r in rows:
         r["vs_full"] = f"{(r['ppl'] / full - 1) * 100:+.1f}%" if full else ""
-    return rows
+    return rows, per_token
 
 
 def long_ppl(args, model, tokenizer):
