@@ -3,6 +3,7 @@ enough for the slow reference. Each test gets a fresh model: H2OCache switches a
 attention implementation, and comparisons against DynamicCache want an untouched one."""
 
 import json
+import threading
 import time
 
 import pytest
@@ -35,6 +36,17 @@ def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, vo
     model.requires_grad_(False)
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     return model
+
+
+def run_threads(target, n, deadline_s):
+    """target(i) for i in range(n), each in a thread of its own, all started, then joined with a
+    deadline on each: none may still run after it."""
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(deadline_s)
+    assert not any(thread.is_alive() for thread in threads)
 
 
 @pytest.fixture

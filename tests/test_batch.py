@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from conftest import make_tiny_chat
+from conftest import make_tiny_chat, run_threads
 
 from h2o_chat.chat.batch import Batcher
 from h2o_chat.chat.session import ChatSession
@@ -263,12 +263,7 @@ def test_a_failed_step_fails_its_replies_and_the_conversations_go_on(monkeypatch
         except ValueError as e:  # GenerationError: the reply could not be finished
             outcomes[i] = e
 
-    threads = [threading.Thread(target=first_reply, args=(i,), daemon=True) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE_S)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(first_reply, 2, DEADLINE_S)
     assert any(isinstance(o, ValueError) and "memory" in str(o) for o in outcomes), outcomes
     monkeypatch.setattr(batch.Arena, "step", real_step)
     # the conversations survive: the failed one kept its message, its cache agrees with its
@@ -310,12 +305,8 @@ def test_conversations_rendered_at_once_are_rendered_as_one_at_a_time():
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEADLINE_S)
-    assert not any(t.is_alive() for t in threads) and not errors
+    run_threads(work, 4, DEADLINE_S)
+    assert not errors
     assert all(ids == expected[i] for i in range(4) for ids in seen[i])
 
 

@@ -26,7 +26,7 @@ from h2o_chat.chat.batch import Arena, Batcher, Request
 from h2o_chat.chat.session import ChatSession
 from h2o_chat.models.compile import Compilation, StepCompiler, step_compiler
 from h2o_chat.models.decode import Decoder
-from tests.conftest import make_tiny_chat, make_tiny_llama
+from tests.conftest import make_tiny_chat, make_tiny_llama, run_threads
 from tests.test_decode import FakeQuantLinear
 
 WAIT_S = 120  # a deadline on every wait for the compiler thread (a loaded 2-core machine is slow)
@@ -170,12 +170,7 @@ def test_two_sessions_in_a_batch_switch_to_their_compiled_step(tmp_path):
         def reply(i, turn=turn, replies=replies):
             replies[i] = "".join(batched[i].send(texts[i] if turn == 0 else "Go on."))
 
-        threads = [threading.Thread(target=reply, args=(i,), daemon=True) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(WAIT_S)
-        assert not any(thread.is_alive() for thread in threads)
+        run_threads(reply, 2, WAIT_S)
         assert replies == ["".join(s.send(texts[i] if turn == 0 else "Go on.")) for i, s in enumerate(alone)]
         assert batcher.decoder.compiled.compiler.wait(WAIT_S)
     assert all(s.stats["step"] == "compiled" for s in batched) and batcher.largest_batch == 2
