@@ -42,7 +42,7 @@ from ..models.compile import StepCompiler
 from ..models.decode import Decoder
 from ..models.load import load_model
 from .common import write_results
-from .random_gguf import LLAMA_1B, TINY, write_random_gguf
+from .random_gguf import LLAMA_1B, TINY, written
 
 MODELS = {"embedded": None, "llama-1b": LLAMA_1B, "tiny": TINY}  # a shape: a random Q4_0 GGUF of it
 
@@ -50,14 +50,7 @@ MODELS = {"embedded": None, "llama-1b": LLAMA_1B, "tiny": TINY}  # a shape: a ra
 def model_file(name, out):
     """load_model's spec for `name`: None (the embedded model) or a random Q4_0 GGUF, written once into `out`."""
     shape = MODELS[name]
-    if shape is None:
-        return None
-    file = Path(out) / f"random-{name}-Q4_0.gguf"
-    if not file.is_file():
-        file.parent.mkdir(parents=True, exist_ok=True)
-        print(f"writing {file}", flush=True)
-        write_random_gguf(file, shape, "Q4_0")
-    return file
+    return None if shape is None else written(Path(out) / f"random-{name}-Q4_0.gguf", shape, "Q4_0")
 
 
 def sync(device):

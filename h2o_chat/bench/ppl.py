@@ -58,7 +58,7 @@ def ppl_of(nlls):
 
 
 def ppl_configs(args, budget_at):
-    """The caches to run: (label, method, CacheConfig kwargs, resolved Budget, point), each distinct
+    """The caches to run: (label, method, CacheConfig kwargs, resolved Budget, point, head budget), each distinct
     cache once. `point` is a --budgets or --memory value; budget_at(point, kv_quant) its slots for
     that width. Knobs that mean nothing to a policy are not swept for it: full has none, window
     and sink keep the newest tokens (n_recent changes nothing), window has no sinks. A label
@@ -100,7 +100,7 @@ def ppl_configs(args, budget_at):
             label.append(shape)
         if policy != "full" and varies["head_budget"]:
             label.append(heads)
-        configs.append((" ".join(label), method, {**kw, "head_budget": heads}, limits, point))
+        configs.append((" ".join(label), method, kw, limits, point, heads))
     return configs
 
 
@@ -173,11 +173,10 @@ def short_ppl(args, model, tokenizer, quantization):
     budget_at, per_token = budgets_for(args, model)
     tokens = text_tokens(tokenizer, args.text, args.tokens)
     rows = []
-    for label, method, kw, limits, point in ppl_configs(args, budget_at):
-        settings = {k: v for k, v in kw.items() if k != "head_budget"}
-        shared = SHARED_BY[kw["head_budget"]]
-        cache = (H2OCache(model, prefill_chunk=args.chunk, **settings) if shared is None else
-                 HeadBudgetCache(model, shared=shared, prefill_chunk=args.chunk, **settings))
+    for label, method, kw, limits, point, heads in ppl_configs(args, budget_at):
+        shared = SHARED_BY[heads]
+        cache = (H2OCache(model, prefill_chunk=args.chunk, **kw) if shared is None else
+                 HeadBudgetCache(model, shared=shared, prefill_chunk=args.chunk, **kw))
         start = time.perf_counter()
         nlls = streaming_nlls(model, tokens, cache, args.feed)
         ppl = ppl_of(nlls)
@@ -192,7 +191,7 @@ def short_ppl(args, model, tokenizer, quantization):
                      "n_sink": "" if unbounded else limits.n_sink, "n_recent": "" if unbounded else limits.n_recent,
                      "positions": "" if unbounded else kw["positions"],
                      "budget_shape": "" if unbounded else kw["budget_shape"],
-                     "head_budget": "" if unbounded else kw["head_budget"], "ppl": ppl,
+                     "head_budget": "" if unbounded else heads, "ppl": ppl,
                      # unrounded, in the JSON only: two arms that must agree (per-head, library) compared exactly
                      "mean_nll": nlls.double().mean().item(),
                      "seconds": round(time.perf_counter() - start, 1)})

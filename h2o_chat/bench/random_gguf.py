@@ -89,6 +89,16 @@ def block_type_for(name, block_type, cols, layers, tied):
     return FALLBACK[kind] if kind in FALLBACK and cols % kquants.QK_K else kind
 
 
+def written(file, shape: Shape, block_type) -> Path:
+    """`file` (a Path), a random GGUF of `shape` in `block_type` written there first if it is not
+    there yet: the benches' files, made once per output folder."""
+    if not file.is_file():
+        file.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {file} ({block_type})", flush=True)
+        write_random_gguf(file, shape, block_type)
+    return file
+
+
 def write_random_gguf(path, shape: Shape = TINY, block_type="Q4_0", seed=0, embed_type=None, override=None):
     """Write a random LLaMA GGUF of `shape` with its linear weights as `block_type` (any type
     gguf.quants can quantize: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, F32; kquants.py's Q4_K, Q5_K,

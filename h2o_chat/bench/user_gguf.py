@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .common import write_results
 from .peers import llamacpp
-from .random_gguf import LLAMA_1B, TINY, TINY_K, write_random_gguf
+from .random_gguf import LLAMA_1B, TINY, TINY_K, written
 
 PROMPT = "Tell me about the history of lighthouses, and how their lights were kept burning through the night."
 SHAPES = {"llama-1b": LLAMA_1B, "tiny": TINY, "tiny-k": TINY_K}  # tiny-k: rows of 256, as K-quants need
@@ -93,10 +93,8 @@ def run(args):
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    file = Path(args.file) if args.file else out / f"random-{args.shape}-{args.block_type}.gguf"
-    if not file.is_file():
-        print(f"writing {file} ({args.shape}, {args.block_type})", flush=True)
-        write_random_gguf(file, SHAPES[args.shape], args.block_type)
+    file = written(Path(args.file) if args.file else out / f"random-{args.shape}-{args.block_type}.gguf",
+                   SHAPES[args.shape], args.block_type)
     threads = args.threads or torch.get_num_threads()
     python = llamacpp.find_python(args.llamacpp or None) if args.llamacpp is not None else None
     if args.llamacpp is not None and python is None:
