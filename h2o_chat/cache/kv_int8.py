@@ -11,8 +11,8 @@ Scales and zero points are four more rows of a layer's acc buffer (step.py), so 
 of a slot (a replacement, an eviction's gather, a batch row, a saved state) moves them too,
 with no code of their own. The decode step never widens a [slots, head_dim] tensor by its scales
 (a broadcast over head_dim costs ~10x a copy on a CPU): it copies the codes into one float
-scratch shared by the cache's layers (`WideScratch`) and puts the scales and zero points on the
-small side of each product:
+scratch shared by the cache's layers (`WideScratch`), the keys and then the values through the
+same buffer, and puts the scales and zero points on the small side of each product:
     q . (zero + codes * scale)        = scale * (q . codes) + zero * sum(q)        (logits)
     sum_j p_j (zero_j + codes_j s_j)  = (p * s) @ codes + p @ zero                 (output)
 """
@@ -50,22 +50,26 @@ def dequantize(codes, scale, zero, dtype):
 
 class WideScratch:
     """Where a decode step copies int8 codes as floats to multiply them: one buffer shared by every
-    layer of a cache (they run one after another), so int8 slots cost one layer's keys and values
-    at float width, not every layer's. A layer larger than the buffer gets a new one (a step made
+    layer of a cache (they run one after another), so int8 slots cost one layer's keys (then its
+    values) at float width, not every layer's. Keys and values take turns in it rather than sharing
+    a buffer twice the size: this copy is memory-bound (in the embedded model's step, a [2, 3, 513,
+    64] float32 copy took 15-20 us in some processes and 110-150 us in others, ~10 us hot in
+    isolation), and half the bytes took int8's decode from 0.82x to 0.89x of bf16's in the slow
+    ones (2026-12-07; docs/engine.md). A layer larger than the buffer gets a new one (a step made
     earlier keeps the old: its views still hold it)."""
 
     def __init__(self):
         self.buffer = None
 
     def for_slots(self, kv, acc_dtype):
-        """[2, b*h, cap, d] in acc_dtype for the int8 slots kv [2, b, h, cap, d] (None for float slots)."""
+        """[b*h, cap, d] in acc_dtype for the int8 slots kv [2, b, h, cap, d] (None for float slots)."""
         if kv.dtype != CODES:
             return None
         _, b, h, cap, d = kv.shape
-        n = 2 * b * h * cap * d
+        n = b * h * cap * d
         if self.buffer is None or self.buffer.numel() < n or self.buffer.dtype != acc_dtype or self.buffer.device != kv.device:
             self.buffer = torch.empty(n, dtype=acc_dtype, device=kv.device)
-        return self.buffer[:n].view(2, b * h, cap, d)
+        return self.buffer[:n].view(b * h, cap, d)
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,10 @@ class Int8Step:
     once. b rows, h KV heads, g query heads per KV head, cap slots, d head_dim; acc is the score
     dtype (float32, or float64), in which all of it runs."""
 
-    codes: torch.Tensor  # [2, b*h, cap, d] uint8: a view of kv
-    keys_t: torch.Tensor  # [b*h, d, cap] acc: the codes as floats, in the shared scratch
-    values: torch.Tensor  # [b*h, cap, d] acc
-    wide: torch.Tensor  # [2, b*h, cap, d] acc: both of the above
+    key_codes: torch.Tensor  # [b*h, cap, d] uint8: views of kv
+    value_codes: torch.Tensor
+    keys_t: torch.Tensor  # [b*h, d, cap] acc: the key codes as floats, in the shared scratch
+    values: torch.Tensor  # [b*h, cap, d] acc: the value codes, in the same scratch after the keys
     key_scales: torch.Tensor  # [b*h, 1, cap]: views of acc's rows
     key_zeros: torch.Tensor  # [b*h, 1, cap]
     value_scales: torch.Tensor  # [b*h, 1, cap]
@@ -103,13 +107,13 @@ class Int8Step:
     @classmethod
     def over(cls, kv, acc_buf, group, dtype, wide):
         """kv [2, b, h, cap, d] int8, acc_buf [N_ACC + N_ROWS, b, h, cap], queries of `group` heads per
-        KV head in `dtype`, wide [2, b*h, cap, d] in acc's dtype (a WideScratch's)."""
+        KV head in `dtype`, wide [b*h, cap, d] in acc's dtype (a WideScratch's)."""
         _, b, h, cap, d = kv.shape
         spare, acc = cap - 1, acc_buf.dtype
         rows = acc_buf.view(acc_buf.shape[0], b * h, cap)
         new, new_rows = wide.new_empty(2, b, h, 1, d), wide.new_empty(N_ROWS, b, h, 1, 1)
         return cls(
-            codes=kv.view(2, b * h, cap, d), keys_t=wide[0].transpose(1, 2), values=wide[1], wide=wide,
+            key_codes=kv[0].view(b * h, cap, d), value_codes=kv[1].view(b * h, cap, d), keys_t=wide.transpose(1, 2), values=wide,
             key_scales=rows[KEY_SCALE, :, None], key_zeros=rows[KEY_ZERO, :, None],
             value_scales=rows[VALUE_SCALE, :, None], value_zeros=rows[VALUE_ZERO, :, :, None],
             query=wide.new_empty(b * h, group, d) if dtype != acc else None,
@@ -133,9 +137,9 @@ class Int8Step:
         self.spare_rows.copy_(self.new_rows)  # computed apart: a strided out= would break a compiled graph
 
     def attention_logits(self, query, scale):
-        """query [b*h, g, d] -> [b*h, g, cap] acc: scale * q.(zero + codes * s), the codes copied
-        into the scratch first (keys and values in one copy)."""
-        self.wide.copy_(self.codes)
+        """query [b*h, g, d] -> [b*h, g, cap] acc: scale * q.(zero + codes * s), the key codes
+        copied into the scratch first."""
+        self.values.copy_(self.key_codes)  # keys_t is the same buffer, transposed
         if self.query is not None:
             query = self.query.copy_(query)
         logits = torch.bmm(query, self.keys_t, out=self.logits).mul_(self.key_scales)
@@ -144,5 +148,6 @@ class Int8Step:
 
     def attention_output(self, probs):
         """probs [b*h, g, cap] -> [b*h, g, d] acc: the values' (zero + codes * s) weighed by probs."""
+        self.values.copy_(self.value_codes)  # over the keys: attention_logits is done with them
         out = torch.bmm(torch.mul(probs, self.value_scales, out=self.probs_scaled), self.values, out=self.out)
         return out.add_(torch.bmm(probs, self.value_zeros, out=self.zero_out))

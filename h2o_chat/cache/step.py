@@ -150,7 +150,7 @@ class DecodeStep:
     @classmethod
     def over(cls, kv, meta, acc_buf, group, dtype, scaling, wide=None):
         """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [acc_rows, b, h, cap]; queries of
-        `group` heads per KV head in `dtype`; for int8 slots, wide [2, b*h, cap, d] in acc's dtype (a
+        `group` heads per KV head in `dtype`; for int8 slots, wide [b*h, cap, d] in acc's dtype (a
         kv_int8.WideScratch's)."""
         _, b, h, cap, d = kv.shape
         spare, acc, dev, low = cap - 1, acc_buf.dtype, kv.device, dtype
