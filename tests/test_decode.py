@@ -177,6 +177,14 @@ def test_the_step_is_one_graph_for_a_compiler(kv_quant):
         cache.begin(1)
         explained = torch._dynamo.explain(decoder.layers_step)(torch.tensor([[5]]), torch.tensor([20]), cache,
                                                                decoder.scratch(1, "cpu"))
+        cache.end()
+        filling = H2OCache(model, budget=12, n_sink=2, n_recent=4, kv_quant=kv_quant)
+        model(torch.arange(5)[None], cache=filling)  # 5 of 12 slots: the step masks the free ones
+        filling.begin(1)
+        assert filling.static_step
+        explained_filling = torch._dynamo.explain(decoder.layers_step)(torch.tensor([[5]]), torch.tensor([5]), filling,
+                                                                       decoder.scratch(1, "cpu"))
+    assert (explained_filling.graph_count, explained_filling.graph_break_count) == (1, 0), explained_filling.break_reasons
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     for layer in cache.layers:
         assert layer.acc.dtype == torch.float32 and layer.meta.dtype == torch.int32
@@ -247,21 +255,20 @@ def test_the_compiled_step_computes_what_the_eager_one_does():
     for eager, comp in zip(eager_caches, compiled_caches):
         assert all(torch.equal(eager.token_ids(i), comp.token_ids(i)) for i in range(len(eager.layers)))
 
-def test_a_compiled_decoder_runs_a_filling_cache_eagerly():
-    # below its budget a layer's slots grow every token: those steps run eagerly (no graph for
-    # each size); the compiled step starts with the first token of full layers
+def test_a_compiled_decoder_runs_a_filling_cache_compiled_too():
+    # below its budget a layer's free slots are masked (StepRows.empty), so its step has the
+    # budget's shapes from the first token after the prompt: one graph while the slots fill, one
+    # once they are full (it evicts), none for each size in between
     graphs = []
     model = make_tiny_llama(torch.float32)
     decoder = Decoder(model).compile(backend=lambda graph, inputs: graphs.append(graph) or graph.forward)
     cache = H2OCache(model, budget=12, n_sink=2, n_recent=4)
     with torch.no_grad():
         model(torch.arange(8)[None], cache=cache)
-        full_steps = 0
         for t in range(8):
-            full_steps += cache.is_full()
             decoder.step(torch.tensor([[t]]), torch.tensor([cache.get_seq_length()]), cache)
-            assert len(graphs) == min(full_steps, 1)
-    assert full_steps == 4  # 8 + 4 tokens fill the 12 slots: the last four steps ran compiled
+            assert cache.layers[0].n_slots == min(9 + t, 12)
+            assert len(graphs) == (1 if t < 4 else 2)  # 8 + 4 tokens fill the 12 slots
 
 
 # aten ops of one decode step of the tiny float32 model (2 layers, full: it evicts), nested ones
@@ -282,3 +289,34 @@ def test_a_decode_step_runs_no_more_ops_than_it_did(kv_quant, most):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             decoder.step(torch.tensor([[5]]), torch.tensor([cache.get_seq_length()]), cache)
     assert sum(e.name.startswith("aten::") for e in prof.events()) <= most
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+def test_a_filling_layer_steps_as_the_general_path_computes(kv_quant, monkeypatch):
+    # a layer below its budget takes the decode step with its free slots masked; forced onto the
+    # general path (write into the next free slot, attend over the live ones) it computes the same:
+    # logits within float32 rounding (the masked sums add the same terms in another order), the
+    # same tokens in the same slots, the same scores, then the same evictions once full
+    import h2o_chat.cache.h2o as h2o
+
+    model = make_tiny_llama(torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
+
+    def run(static_from):
+        monkeypatch.setattr(h2o, "STATIC_FROM", static_from)
+        cache, decoder, logits, took_step = H2OCache(model, budget=12, n_sink=2, n_recent=4, kv_quant=kv_quant), Decoder(model), [], []
+        with torch.no_grad():
+            token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+            for _ in range(14):  # 4 + 8 fill the 12 slots, then it evicts
+                took_step.append(all(cache.steps_static()))
+                logits.append(decoder.step(token, torch.full((2,), cache.get_seq_length()), cache))
+                token = logits[-1].argmax(-1, keepdim=True)
+        return torch.stack(logits), cache, took_step
+
+    stepped, cache, took_step = run(4)
+    general, reference, took_general = run(1)  # only a full layer takes the step
+    assert all(took_step) and took_general == [False] * 8 + [True] * 6
+    torch.testing.assert_close(stepped, general, atol=1e-5, rtol=0)
+    for i in range(len(cache.layers)):
+        assert torch.equal(cache.token_ids(i), reference.token_ids(i))
+        torch.testing.assert_close(cache.scores(i), reference.scores(i), atol=1e-5, rtol=0)

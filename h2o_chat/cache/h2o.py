@@ -22,13 +22,14 @@ layer l only depends on earlier tokens at layer l-1), yet a plain `model.generat
 `model(ids)` gets it for free, and no [heads, n, n] matrix of a long prompt is ever built.
 
 The decode step is the hot path. A bounded layer's buffers are allocated once with budget + 1
-slots and never change size; once full, one token is step.attend_and_replace over views made
-once. Positions re-roll on a schedule the host knows (every head's span grows by at most one a
+slots and never change size; one token is step.attend_and_replace over views made once, from the
+first token after the layer's first input (while it fills, its free slots are masked). Positions re-roll on a schedule the host knows (every head's span grows by at most one a
 step), never on a value read from the device.
 """
 
 import copy
 import warnings
+from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -56,6 +57,7 @@ from .step import (
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GROWTH = 256  # slots an unbounded layer grows by
+STATIC_FROM = 4  # a layer filling up takes the decode step once 1/STATIC_FROM of its budget is live
 
 
 def pack_meta(meta, acc):
@@ -712,8 +714,9 @@ class H2OCache(Cache):
 
     @property
     def static_step(self):
-        """Between `begin(1)` and `end()`: every layer takes the decode step of a full layer, whose
-        shapes are the same at every token (what a compiled step needs)."""
+        """Between `begin(1)` and `end()`: every layer takes the decode step (full, or filling with
+        its free slots masked), whose shapes are the same at every token (what a compiled step
+        needs)."""
         return self._rows is not None and all(rows is not None for rows in self._rows)
 
     # --- for a compiled step (models/compile.py) ------------------------------------------------
@@ -722,7 +725,8 @@ class H2OCache(Cache):
         hashable value (the settings; per layer the buffers' shapes and dtypes)."""
         first, c = self.layers[0], self.config
         return ("alone", c.policy, c.score, c.decay, c.kv_quant, tuple(layer.kv.shape for layer in self.layers),
-                first.kv.dtype, first.acc.dtype, first.meta.dtype)  # acc's and meta's shapes follow from kv's
+                first.kv.dtype, first.acc.dtype, first.meta.dtype,  # acc's and meta's shapes follow from kv's
+                tuple(rows.empty is None for rows in self._rows))  # filling layers mask their free slots
 
     def decode_steps(self):
         """During a static step: each layer's DecodeStep (the buffers it writes in place)."""
@@ -760,10 +764,13 @@ class H2OCache(Cache):
 
     def decode_rows(self):
         """[layers] StepRows for this cache's next token, every row of its batch stepping, None for
-        a layer below its budget (it takes the general path); None when no layer is full. Each full
-        layer's decode step is made here."""
-        full = self.full_layers()
-        if not any(full):
+        a layer that takes the general path (`steps_static`); None when none takes the step. A
+        layer still below its budget takes it too, its free slots masked (StepRows.empty), as a
+        batch's rows do: the step's shapes are the budget's from the first token, so a compiled
+        step (and inference_mode) covers a chat's first turns, not only those after the budget
+        fills. Each such layer's decode step is made here."""
+        static = self.steps_static()
+        if not any(static):
             return None
         self.prepare_decode()
         layer, lim = self.layers[0], self.limits
@@ -771,10 +778,38 @@ class H2OCache(Cache):
         rows = StepRows.make([n_seen] * b, [self.next_token_kept()] * b, [True] * b,
                              self.kv_heads, self.group, lim.n_recent, self.config.decay, layer.meta.dtype,
                              layer.acc.dtype, layer.kv.device)
-        for layer, is_full in zip(self.layers, full):
-            if is_full:
-                layer.make_step(self.group, self.dtype, self.scaling)
-        return [rows if is_full else None for is_full in full]
+        per_layer, masks = [], {}
+        for i, (layer, takes_step) in enumerate(zip(self.layers, static)):
+            if not takes_step:
+                per_layer.append(None)
+                continue
+            layer.make_step(self.group, self.dtype, self.scaling)
+            budget = lim.layer(i).budget
+            if layer.n_slots < budget:  # free slots [n_slots, budget): one mask for layers alike
+                key = (layer.n_slots, budget)
+                if key not in masks:
+                    slot = torch.arange(layer.capacity, device=layer.kv.device)
+                    masks[key] = replace(rows, empty=((slot >= layer.n_slots) & (slot < budget)).view(1, 1, -1))
+                per_layer.append(masks[key])
+            else:
+                per_layer.append(rows)
+        return per_layer
+
+    def steps_static(self):
+        """[layers] bools: the layer takes the decode step of static shapes, full or filling: its
+        buffers hold exactly budget + 1 slots (a bounded layer's, allocated at its first input; a
+        restored state's may be smaller until it fills) and at least a quarter of them are live.
+
+        Why the quarter: the step attends over every slot, free ones masked, so its cost is the
+        budget's; the general path's grows with the live slots. Measured on the embedded model
+        (int4, 2 cores; `bench decode --seen 117,2048 --budget 4096`): at budget 512 the step wins
+        from the first token (117 live: 16.3 against 19.1 ms); at budget 4096 it loses at 117 live
+        (23.5 against 18.8 ms) and wins at 2,048 (23.2 against 29.7), crossing near 950, a quarter."""
+        lim = self.limits
+        if lim is None or lim.budget is None:
+            return [False] * len(self.layers)
+        return [layer.kv is not None and layer.capacity == lim.layer(i).budget + 1
+                and STATIC_FROM * layer.n_slots >= lim.layer(i).budget for i, layer in enumerate(self.layers)]
 
     def next_token_kept(self):
         """The next token is never evicted: a sink of a short chat, or pinned (policy.never_evicted)."""

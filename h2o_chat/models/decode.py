@@ -99,10 +99,11 @@ class Decoder:
         scratch = self.scratch(token_ids.shape[0], token_ids.device)
         if cache.static_step:
             # inference_mode skips autograd's dispatch and version counters, ~1 us of each of a
-            # step's ~3,000 ops (bench ops). Only here: a full layer's step writes in place into
+            # step's ~3,000 ops (bench ops). Only here: the static step writes in place into
             # buffers made outside it (the cache's, DecodeStep's, scratch) and allocates nothing
             # that outlives it, so no inference tensor ever reaches code that runs without it (an
-            # in-place write to one there raises). A filling layer grows its buffers: no_grad.
+            # in-place write to one there raises). The general path (a layer's first input
+            # allocates its buffers; one under a quarter of its budget) runs under no_grad.
             with torch.inference_mode():
                 layers_step = self.layers_step if self._compiled is None else self._compiled
                 logits = layers_step(token_ids, positions, cache, scratch)
