@@ -115,7 +115,7 @@ class Decoder:
     def compile(self, **options):
         """Compile the tensor work of a step (`layers_step`) with torch.compile (`options` its own,
         e.g. mode="reduce-overhead" for CUDA graphs), for caches whose step has the same shapes at
-        every token (`cache.static_step`: full layers, or a batch); others run it eagerly. It
+        every token (`cache.static_step`: full or filling layers, or a batch); others run it eagerly. It
         compiles at the first such step. Returns self."""
         if self.why_not is None:
             self._compiled = torch.compile(self.layers_step, dynamic=False, **options)
