@@ -55,7 +55,7 @@ class Batcher:
     """Runs the model for every conversation that uses it, batching their decode steps. A thread
     that calls `run` does its own torch work on one intra-op thread from then on (see `run`)."""
 
-    def __init__(self, model, max_batch=4, gather_s=GATHER_S, compile=Compilation.compile, data_dir=None):
+    def __init__(self, model, max_batch=4, gather_s=GATHER_S, compile=Compilation.compile, data_dir=None, threads=None):
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.model, self.max_batch, self.gather_s = model, max_batch, gather_s
@@ -63,7 +63,9 @@ class Batcher:
         compiler = step_compiler(model, compile, data_dir)  # models/compile.py: compiled in the background
         if compiler is not None:
             self.decoder.switch_to(compiler.step())
-        self.threads = torch.get_num_threads()  # the intra-op threads the model's forwards run with
+        # the intra-op threads the model's forwards run with (default: this thread's); the batcher's
+        # thread should be the only one with a team of them (models/threads.py)
+        self.threads = threads or torch.get_num_threads()
         self.arenas = {}  # cache settings -> Arena (only while it has members)
         self.steps = self.rows_stepped = 0  # batched steps run, and conversations they advanced
         self.largest_batch = 0  # most conversations stacked at once

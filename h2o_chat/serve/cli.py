@@ -194,6 +194,7 @@ def main(argv=None):
     from ..chat import saved_kv
     from ..chat.saved_kv import DiskBudget
     from ..models.load import ModelLoadError, load_model
+    from ..models.threads import on_own_thread, single_threaded_here
     from ..ui.page import CSS, HEAD, build
 
     cache = {name: getattr(args, name) for name in APP_FIELDS}
@@ -216,15 +217,20 @@ def main(argv=None):
         check_exposure(args)
         check_data_dir(args.data_dir)
         check_port(args.host, args.port)
-        model, tokenizer = load_model(args.model, dtype=args.dtype, quantization=quantization,
-                                      device_map=args.device_map, trust_remote_code=args.trust_remote_code)
+        # the main thread runs no parallel op: the model loads on a thread that exits, and only the
+        # batcher's thread keeps a team of intra-op threads (models/threads.py says why)
+        threads = single_threaded_here()
+        model, tokenizer = on_own_thread(lambda: load_model(
+            args.model, dtype=args.dtype, quantization=quantization, device_map=args.device_map,
+            trust_remote_code=args.trust_remote_code), threads)
     except (ValueError, ModelLoadError) as e:
         sys.exit(f"h2o-chat: {e}")
     show_requests(args.quiet)
     saved_kv.BUDGET = disk_budget  # every conversation's saved caches share it
     from ..chat.batch import Batcher
     # the UI and the API share it; the decode step starts eager and is compiled in the background (--compile)
-    batcher = Batcher(model, args.concurrency, compile=args.compile, data_dir=args.data_dir) if args.concurrency > 1 else None
+    batcher = (Batcher(model, args.concurrency, compile=args.compile, data_dir=args.data_dir, threads=threads)
+               if args.concurrency > 1 else None)
     from .api import create_router
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
                         closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher,
