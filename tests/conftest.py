@@ -167,6 +167,15 @@ def play_text(tmp_path_factory):
     return path
 
 
+def run_ppl(model_dir, text, out, *args, plot=True):
+    """`python -m h2o_chat.bench.evaluate ppl` on `model_dir` over `text` with `args`, results in
+    `out`: what it wrote (`read_results`)."""
+    from h2o_chat.bench import evaluate
+
+    evaluate.main(["--model", str(model_dir), "--out", str(out), "ppl", "--text", str(text), *args])
+    return read_results(out, "ppl", plot=plot)
+
+
 def read_results(out, name, plot=True):
     """What a bench/evaluate command wrote as `name`: the JSON (returned: rows and meta), a
     Markdown table naming the command, and (plot) a PNG."""

@@ -22,7 +22,7 @@ from h2o_chat.bench import (
 )
 from h2o_chat.bench.peers import llamacpp
 from h2o_chat.bench.random_gguf import TINY_K, write_random_gguf
-from tests.conftest import read_results
+from tests.conftest import read_results, run_ppl
 from tests.live import save_tiny_chat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -108,9 +108,8 @@ def test_bench_reopen(play_text, tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_ppl(tiny_model_dir, play_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "120", "--budget", "24", "--chunk", "8", "--long-tokens", "0"])
-    rows = read_results(tmp_path, "ppl", plot=False)["rows"]
+    rows = run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "120", "--budget", "24", "--chunk", "8",
+                   "--long-tokens", "0", plot=False)["rows"]
     assert [r["method"] for r in rows] == ppl.PPL_METHODS
     assert all(r["ppl"] > 1 for r in rows)
     assert rows[0]["vs_full"] == "+0.0%"

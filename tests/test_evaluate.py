@@ -12,7 +12,7 @@ import torch
 
 from h2o_chat.bench import evaluate, ppl
 from h2o_chat.bench.common import make_cache
-from tests.conftest import make_tiny_llama, read_results
+from tests.conftest import make_tiny_llama, read_results, run_ppl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,10 +51,8 @@ def test_feeding_many_tokens_per_call_changes_nothing(method, positions):
 
 @pytest.mark.slow
 def test_ppl_budgets_and_the_long_part(tiny_model_dir, play_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "128", "--budgets", "0.25,0.5", "--chunk", "8", "--long-tokens", "700",
-                   "--long-budget", "32", "--segment", "200"])
-    rows = read_results(tmp_path, "ppl")["rows"]
+    rows = run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "128", "--budgets", "0.25,0.5", "--chunk",
+                   "8", "--long-tokens", "700", "--long-budget", "32", "--segment", "200")["rows"]
     # full once, every other method at each budget (25% and 50% of 128 tokens)
     assert [(r["method"], r["budget"]) for r in rows] == [("full", "all")] + [
         (m, b) for m in ppl.PPL_METHODS[1:] for b in (32, 64)]
@@ -77,11 +75,9 @@ def test_ppl_budgets_and_the_long_part(tiny_model_dir, play_text, tmp_path):
 
 @pytest.mark.slow
 def test_ppl_sweeps_sinks_recent_split_and_positions(tiny_model_dir, play_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "96", "--budgets", "40", "--chunk", "8", "--methods", "full,window,sink,h2o-sum",
-                   "--n-sink", "0,4", "--n-recent", "0.25,0.75", "--positions", "rolling,absolute",
-                   "--long-tokens", "0"])
-    rows = read_results(tmp_path, "ppl")["rows"]
+    rows = run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "96", "--budgets", "40", "--chunk", "8",
+                   "--methods", "full,window,sink,h2o-sum", "--n-sink", "0,4", "--n-recent", "0.25,0.75",
+                   "--positions", "rolling,absolute", "--long-tokens", "0")["rows"]
     labels = [r["label"] for r in rows]
     # window has no knobs but positions; sink has no recent split; each distinct cache runs once
     assert labels[:3] == ["full", "window rolling", "window absolute"]
@@ -95,10 +91,9 @@ def test_ppl_sweeps_sinks_recent_split_and_positions(tiny_model_dir, play_text, 
 
 @pytest.mark.slow
 def test_ppl_sweeps_the_kv_width_and_reports_the_bytes_held(tiny_model_dir, play_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "96", "--budgets", "32", "--chunk", "8", "--methods", "full,h2o-sum",
-                   "--kv-quant", "none,int8", "--long-tokens", "0"])
-    rows = {r["label"]: r for r in read_results(tmp_path, "ppl")["rows"]}
+    rows = {r["label"]: r for r in run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "96", "--budgets",
+                                           "32", "--chunk", "8", "--methods", "full,h2o-sum", "--kv-quant",
+                                           "none,int8", "--long-tokens", "0")["rows"]}
     assert list(rows) == ["full", "full:int8", "h2o-sum", "h2o-sum:int8"]
     # the tiny model's float32, head_dim 16: 64 bytes of keys and values a token and head, or
     # 2 x 16 int8 codes and four float32 scales and zero points (48); 32 of the 95 tokens fed kept
@@ -110,9 +105,8 @@ def test_ppl_sweeps_the_kv_width_and_reports_the_bytes_held(tiny_model_dir, play
 
 @pytest.mark.slow
 def test_ppl_quick(tiny_model_dir, play_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text), "--quick",
-                   "--methods", "full,sink,h2o-sum", "--long-methods", "full,h2o-sum"])
-    data = read_results(tmp_path, "ppl")
+    data = run_ppl(tiny_model_dir, play_text, tmp_path, "--quick", "--methods", "full,sink,h2o-sum",
+                   "--long-methods", "full,h2o-sum")
     assert data["meta"]["tokens"] == 384 and {r["budget"] for r in data["rows"]} == {"all", 38, 77, 192}
     long = read_results(tmp_path, "ppl-long")
     assert long["meta"]["tokens"] == 768 and long["meta"]["budget"] == 64
@@ -171,10 +165,9 @@ def test_summarize_quick_and_seeded(tiny_model_dir, requests_file, tmp_path):
 
 def test_ppl_per_quantization(tiny_model_dir, play_text, tmp_path):
     """One table: each cache on each weights, against the same cache on the first weights."""
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "96", "--budgets", "0.5", "--chunk", "8", "--methods", "full,h2o-sum",
-                   "--long-tokens", "0", "--quantization", "none,int8,int4", "--dtype", "float32"])
-    data = read_results(tmp_path, "ppl")
+    data = run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "96", "--budgets", "0.5", "--chunk", "8",
+                   "--methods", "full,h2o-sum", "--long-tokens", "0", "--quantization", "none,int8,int4",
+                   "--dtype", "float32")
     rows = data["rows"]
     assert [(r["quantization"], r["label"]) for r in rows] == [
         (q, m) for q in ("none", "int8", "int4") for m in ("full", "h2o-sum")]

@@ -13,7 +13,7 @@ from h2o_chat.bench.head_budgets import HeadBudgetCache, HeadBudgetLayer, keep_j
 from h2o_chat.bench.ppl import streaming_nlls
 from h2o_chat.cache.h2o import H2OCache
 from h2o_chat.cache.policy import select_keep
-from tests.conftest import make_tiny_llama, read_results
+from tests.conftest import make_tiny_llama, run_ppl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -120,10 +120,9 @@ def test_ada_kv_shares_the_layers_slots_and_keeps_every_heads_sinks_and_window(s
 
 
 def test_ppl_head_budget_flag(tiny_model_dir, play_text, tmp_path):
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "160", "--budgets", "32", "--chunk", "8", "--methods", "full,h2o-sum",
-                   "--head-budget", "library,per-head,ada-kv", "--long-tokens", "0"])
-    rows = {r["label"]: r for r in read_results(tmp_path, "ppl")["rows"]}
+    rows = {r["label"]: r for r in run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "160",
+                                           "--budgets", "32", "--chunk", "8", "--methods", "full,h2o-sum",
+                                           "--head-budget", "library,per-head,ada-kv", "--long-tokens", "0")["rows"]}
     assert list(rows) == ["full", "h2o-sum library", "h2o-sum per-head", "h2o-sum ada-kv"]
     assert rows["h2o-sum per-head"]["mean_nll"] == rows["h2o-sum library"]["mean_nll"]
     assert {rows[k]["kv_pct"] for k in list(rows)[1:]} == {f"{32 / 159:.1%}"}

@@ -13,7 +13,7 @@ import pytest
 from h2o_chat.bench import compress, evaluate, memory, summarize, svg
 from h2o_chat.bench.peers import kvpress, openvino
 from h2o_chat.models.load import load_model
-from tests.conftest import read_results
+from tests.conftest import read_results, run_ppl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -161,10 +161,8 @@ def test_streaming_ppl_at_equal_memory_fills_each_bytes_share_within_one_token(t
     """`evaluate ppl --memory`: each width's budget is the most slots whose bytes (the cache's own
     kv_bytes() at the end of the stream) fit in the share of the full cache's (its full_kv_bytes()),
     one more token's bytes (measured, from the run's meta) would not; int8 gets more slots."""
-    evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "ppl", "--text", str(play_text),
-                   "--tokens", "96", "--memory", "0.2,0.5", "--chunk", "8", "--methods", "full,h2o-sum,h2o-mean",
-                   "--kv-quant", "none,int8", "--long-tokens", "0"])
-    data = read_results(tmp_path, "ppl")
+    data = run_ppl(tiny_model_dir, play_text, tmp_path, "--tokens", "96", "--memory", "0.2,0.5", "--chunk",
+                   "8", "--methods", "full,h2o-sum,h2o-mean", "--kv-quant", "none,int8", "--long-tokens", "0")
     rows, per_token = data["rows"], data["meta"]["bytes_per_token"]
     assert [(r["label"], r["memory"]) for r in rows] == [("full", "100%"), ("full:int8", "100%")] + [
         (m + w, p) for m in ("h2o-sum", "h2o-mean") for p in ("20%", "50%") for w in ("", ":int8")]
