@@ -33,7 +33,7 @@ def live_app(data_dir, model=None, tokenizer=None, cache=None, concurrency=1, po
         model, tokenizer = make_tiny_chat()
     defaults = dict(policy="h2o", budget=48, n_sink=2, n_recent=16, score="sum", positions="rolling")
     cache = dict(defaults, **(cache or {}))
-    batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py makes one
+    batcher = Batcher(model, concurrency)  # as app.py makes one, for any concurrency
     router = create_router(model, tokenizer, cache, str(data_dir), concurrency=concurrency, batcher=batcher) \
         if api else None
     watch = dict(watchable=router.pool.watchable) if router else {}  # the page lists and watches the API's

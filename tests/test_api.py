@@ -40,7 +40,7 @@ def api_server(data_dir, model=None, tokenizer=None, concurrency=2, **router_kwa
     """The UI and the API on one free port, as app.py mounts them; yields (base_url, router)."""
     if model is None:
         model, tokenizer = make_tiny_chat(torch.float64)
-    batcher = Batcher(model, concurrency) if concurrency > 1 else None  # as app.py shares one
+    batcher = Batcher(model, concurrency)  # as app.py shares one, for any concurrency
     demo = build(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency, batcher=batcher)
     demo.queue(default_concurrency_limit=concurrency)
     router = create_router(model, tokenizer, dict(CACHE), str(data_dir), concurrency=concurrency, batcher=batcher,

@@ -228,9 +228,10 @@ def main(argv=None):
     show_requests(args.quiet)
     saved_kv.BUDGET = disk_budget  # every conversation's saved caches share it
     from ..chat.batch import Batcher
-    # the UI and the API share it; the decode step starts eager and is compiled in the background (--compile)
-    batcher = (Batcher(model, args.concurrency, compile=args.compile, data_dir=args.data_dir, threads=threads)
-               if args.concurrency > 1 else None)
+    # the UI and the API share it; the decode step starts eager and is compiled in the background (--compile).
+    # One, even for --concurrency 1: its thread is then the only one that runs the model, where each gradio
+    # worker that decoded kept a team of intra-op threads (models/threads.py; /v1 fell from ~50 to ~35 tokens/s)
+    batcher = Batcher(model, args.concurrency, compile=args.compile, data_dir=args.data_dir, threads=threads)
     from .api import create_router
     api = create_router(model, tokenizer, cache, args.data_dir, api_key=args.api_key, concurrency=args.concurrency,
                         closed=auth is not None and not args.api_key, max_kv_mib=args.api_kv_mib, batcher=batcher,
