@@ -246,15 +246,17 @@ def test_a_failed_step_fails_its_replies_and_the_conversations_go_on(monkeypatch
     sessions = [make(i, batcher) for i in range(2)]
     import h2o_chat.chat.batch as batch
 
-    real_step, calls = batch.Arena.step, []
+    real_attend, calls, last = batch.StackedCache.attend, [], model.config.num_hidden_layers - 1
 
-    def failing_step(self, model, requests):
-        calls.append(len(requests))
-        if len(calls) == 3:
+    def failing_attend(self, layer_idx, *args):
+        # the third batched step fails in its last layer, after the others wrote the new tokens
+        # into every member's slots: the rows are part-stepped, as after a real out-of-memory
+        calls.append(layer_idx)
+        if layer_idx == last and calls.count(last) == 3:
             raise torch.OutOfMemoryError("simulated")
-        return real_step(self, model, requests)
+        return real_attend(self, layer_idx, *args)
 
-    monkeypatch.setattr(batch.Arena, "step", failing_step)
+    monkeypatch.setattr(batch.StackedCache, "attend", failing_attend)
     outcomes = [None, None]
 
     def first_reply(i):
@@ -265,7 +267,7 @@ def test_a_failed_step_fails_its_replies_and_the_conversations_go_on(monkeypatch
 
     run_threads(first_reply, 2, DEADLINE_S)
     assert any(isinstance(o, ValueError) and "memory" in str(o) for o in outcomes), outcomes
-    monkeypatch.setattr(batch.Arena, "step", real_step)
+    monkeypatch.setattr(batch.StackedCache, "attend", real_attend)
     # the conversations survive: the failed one kept its message, its cache agrees with its
     # ledger (a failed forward goes back to a state the cache has fully seen), and both reply on
     for s in sessions:

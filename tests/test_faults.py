@@ -24,6 +24,7 @@ import h2o_chat.ui.state as ui_state
 from h2o_chat import ChatSession, H2OCache
 from h2o_chat.chat import session as session_mod
 from h2o_chat.chat import store
+from h2o_chat.chat.batch import StackedCache
 from h2o_chat.chat.conversation import Message
 from h2o_chat.chat.session import GenerationError
 from h2o_chat.models.load import load_model
@@ -167,24 +168,27 @@ class OutOfMemory:
     """Makes a forward of the model run out of memory, once: its n-th call from now or (with
     decode=True) its n-th one-token call, the n-th generated token's. The error comes from the
     last decoder layer's attention, after the first has already written the new tokens into its
-    cache, as a real out-of-memory midway through the model would. It hooks the cache, which
-    every forward goes through (the model's own, and the lean decode step of decode.py)."""
+    cache, as a real out-of-memory midway through the model would. It hooks the caches every
+    forward goes through: a conversation's own (the model's forward, and the lean decode step of
+    decode.py) and the stacked one of a batched decode step (chat/batch.py)."""
 
     def __init__(self, monkeypatch, model):
         self.countdown, self.decode, self.failing = None, False, False
-        attend, last = H2OCache.attend, model.config.num_hidden_layers - 1
+        self.last = model.config.num_hidden_layers - 1
+        for cache_class in (H2OCache, StackedCache):
+            monkeypatch.setattr(cache_class, "attend", self._hooked(cache_class.attend))
 
+    def _hooked(self, attend):
         def failing_attend(cache, layer_idx, query, keys, values, scaling):
             if layer_idx == 0 and self.countdown is not None and (query.shape[2] == 1 or not self.decode):
                 self.countdown -= 1
                 self.failing = self.countdown == 0
                 self.countdown = None if self.failing else self.countdown
-            if layer_idx == last and self.failing:
+            if layer_idx == self.last and self.failing:
                 self.failing = False
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             return attend(cache, layer_idx, query, keys, values, scaling)
-
-        monkeypatch.setattr(H2OCache, "attend", failing_attend)
+        return failing_attend
 
     def at_call(self, n, decode=False):
         self.countdown, self.decode = n, decode
