@@ -27,11 +27,13 @@ class Entry:
 
 def quantized(x):
     """x [head_dim] as an 8-bit slot holds it, widened: its range [low, high] cut into 255 steps of
-    `scale` (at least the smallest float32); each element moved to the nearest of the 256 values
-    low + code * scale, codes 0..255."""
+    `scale` (at least float16's smallest number, 2^-24); each element's code the nearest of 0..255
+    to (x - low) / scale; the value it comes back as low' + code * scale', where low' and scale'
+    are low and scale rounded to float16 (the width a slot stores them at)."""
     low, high = x.min(), x.max()
-    scale = torch.clamp((high - low) / 255, min=torch.finfo(torch.float32).tiny)
-    return low + torch.round((x - low) / scale) * scale
+    scale = torch.clamp((high - low) / 255, min=2.0**-24)
+    code = torch.round((x - low) / scale)
+    return low.half().to(x.dtype) + code * scale.half().to(x.dtype)
 
 
 @dataclass

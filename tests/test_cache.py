@@ -96,8 +96,8 @@ def check_against_reference(model, policy, score, positions, batch, budget_shape
 
     # memory: the stated total, 2 layers x 12 slots, each [batch, kv_heads, head_dim] keys and values
     per_slot = 2 * batch * kv_heads * cache.head_dim * torch.finfo(model.dtype).bits // 8
-    if kv_quant == "int8":  # a byte a number, and a scale and zero point (float64 here) for each key and value
-        per_slot = batch * kv_heads * (2 * cache.head_dim + 4 * 8)
+    if kv_quant == "int8":  # a byte a number, and a float16 scale and zero point for each key and value
+        per_slot = batch * kv_heads * (2 * cache.head_dim + 4 * 2)
 
     def check(logits, ref_logits):
         # float64 throughout except RoPE angles, which transformers computes in float32
@@ -403,7 +403,7 @@ def test_eviction_ties_keep_the_newer_token():
     meta[KEY, :, :, :6] = protection_key(ids.int(), n_sink=1)
     acc[SCORE, :, :, :6] = priority
     query = torch.zeros(1, 1, 1, 4)
-    step = DecodeStep.over(kv, meta, acc, group=1, dtype=query.dtype, scaling=1.0)
+    step = DecodeStep.over(kv, meta, acc, None, group=1, dtype=query.dtype, scaling=1.0)
     # token 6 (n_seen 7 after it), one recent token: the new one
     rows = StepRows.make([6], [False], [True], kv_heads=1, group=1, n_recent=1, decay=1.0, meta_dtype=torch.int32,
                          acc_dtype=torch.float32, device="cpu")

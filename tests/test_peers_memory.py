@@ -39,7 +39,7 @@ def test_int8_affords_4d_over_2d_plus_16_times_the_bf16_slots(head_dim):
             slots = memory.slots_at(point, n, bf16, int8)
             assert slots == math.floor(point * n * Fraction(4 * head_dim, 2 * head_dim + 16))
             assert slots * int8 <= point * n * bf16 < (slots + 1) * int8  # the most that fit, exactly
-    assert memory.slots_at(Fraction(1, 10), 3584, 23040, 12960) == 637  # the embedded model: 358.4 * 256 / 144
+    assert memory.slots_at(Fraction(1, 10), 3584, 23040, 12240) == 674  # the embedded model: 358.4 * 256 / 136
 
 
 def test_slots_at_a_block_multiple_is_whole_blocks_that_fit():
@@ -84,7 +84,7 @@ def test_bytes_per_token_is_measured_per_width(tiny_model_dir):
     layers, heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert memory.bytes_per_token(model) == layers * heads * 2 * head_dim * 4  # float32 keys and values
-    assert memory.bytes_per_token(model, "int8") == layers * heads * (2 * head_dim + 4 * 4)
+    assert memory.bytes_per_token(model, "int8") == layers * heads * (2 * head_dim + 4 * 2)  # codes, float16 scales and zeros
     assert memory.bytes_per_token(model, "dynamic") == memory.bytes_per_token(model)
 
 

@@ -53,7 +53,7 @@ def main(argv=None):
     p.add_argument("--memory", type=memory.memory_points, default=None,
                    help="instead of --budgets: fractions of the full cache's KV bytes (0.1,0.2), a full cache at the "
                         "model's width holding the tokens streamed; each --kv-quant width gets the most slots whose "
-                        "bytes fit, a slot's bytes measured (int8 codes plus float32 scales and zero points: 1.78x "
+                        "bytes fit, a slot's bytes measured (int8 codes plus float16 scales and zero points: 1.88x "
                         "the slots of bf16 at head_dim 64)")
     cache_flag(p, "n_sink", sweep=numbers, note="a list sweeps it (0,4,8)")
     cache_flag(p, "n_recent", sweep=numbers, note="fractions of the budget (0.25,0.5,0.75), counts, or auto "
@@ -86,7 +86,7 @@ def main(argv=None):
     p.add_argument("--memory", type=memory.memory_points, default=None,
                    help="instead of --fractions: fractions of the full cache's KV bytes for each prompt (0.1,0.2,0.5); "
                         "each arm keeps the most slots whose bytes fit, a slot's bytes measured (the model's width, "
-                        "or int8 codes plus float32 scales and zero points for a method named with ':int8'); "
+                        "or int8 codes plus float16 scales and zero points for a method named with ':int8'); "
                         "decoding becomes greedy")
     p.add_argument("--methods", type=name_list, default=summarize.SUMMARIZE_METHODS,
                    help="full, h2o, window, sink; ':int8' after one stores its slots as int8 (h2o:int8)")
@@ -121,7 +121,7 @@ def main(argv=None):
                    help="instead of --keep: fractions of the full cache's KV bytes for the context, e.g. 0.1,0.2,0.5; "
                         "each arm keeps the most slots whose bytes fit, a slot's bytes measured on the model (a "
                         "cache of that width fed a few tokens, its kv_bytes() divided by them): the model's width "
-                        "for our methods and kvpress's presses (DynamicCache), int8 codes plus float32 scales and "
+                        "for our methods and kvpress's presses (DynamicCache), int8 codes plus float16 scales and "
                         "zero points for a method named with ':int8' (h2o-sum:int8)")
     cache_flag(p, "n_sink")
     cache_flag(p, "prefill_chunk", "--chunk", note="our caches prefill (and evict) this many tokens at a time")

@@ -136,7 +136,8 @@ class HeadBudgetLayer(CacheLayerMixin):
         kept = keep_jointly(ids, ranks, protected, total)[0].split([head.n_slots for head in heads])
         for head, mask in zip(heads, kept):
             slots = mask.nonzero()[:, 0]  # slots are in token order, so the kept ones stay in it
-            head.set_buffers(head.kv[:, :, :, slots], head.meta[..., slots], head.acc[..., slots], len(slots))
+            head.set_buffers(head.kv[:, :, :, slots], head.meta[..., slots], head.acc[..., slots],
+                             None if head.qp is None else head.qp[..., slots], len(slots))
 
 
 class HeadBudgetCache(H2OCache):

@@ -4,8 +4,8 @@ a full cache at the model's width holds for the same tokens, turned into the slo
 A slot's bytes are measured, not assumed (`bytes_per_token`): a few tokens go through a cache of
 that width that evicts nothing, and its `kv_bytes()` is divided by them. On the embedded model
 (30 layers, 3 KV heads, head_dim 64, bf16) that is 23,040 bytes a token at the model's width
-(2 x 64 x 2 bytes per layer and head) and 12,960 with int8 slots (2 x 64 codes + four float32
-scales and zero points = 144 bytes): the same memory holds 256 / 144 = 1.78 times the slots.
+(2 x 64 x 2 bytes per layer and head) and 12,240 with int8 slots (2 x 64 codes + four float16
+scales and zero points = 136 bytes): the same memory holds 256 / 136 = 1.88 times the slots.
 kvpress keeps transformers' DynamicCache at the model's width; OpenVINO's own cache is counted by
 what its worker reports (peers/openvino.py).
 """

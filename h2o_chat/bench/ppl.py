@@ -15,7 +15,7 @@ cache's on the first weights: vs_none); the long part runs on the first weights 
 --memory 0.1,0.2 gives the short part's budgets as fractions of the full cache's KV bytes instead
 of its tokens: each arm (each --kv-quant width) gets the most slots whose bytes fit in that share
 of what a full cache at the model's width holds at the end of the stream (memory.py; a slot's
-bytes measured), so int8 slots get 1.78x the tokens of bf16 ones in the same bytes.
+bytes measured), so int8 slots get 1.88x the tokens of bf16 ones in the same bytes.
 
 --head-budget library,per-head,ada-kv runs the h2o arms through H2OCache (library) or through
 head_budgets.py's cache: every head its budget (per-head, which must equal library exactly) or a

@@ -189,7 +189,7 @@ class CacheConfig:
         Off by default: measured on dialogue, it did not help (docs/story-fidelity.md).
     kv_quant : {"none", "int8"}, default "none"
         How keys and values are stored: at the model's width, or as int8 codes with a float32
-        scale and zero point per token and head (144 bytes where bf16 takes 256 at head_dim 64).
+        scale and zero point per token and head, float16 (136 bytes where bf16 takes 256 at head_dim 64).
         See cache/kv_int8.py.
 
     Raises
@@ -218,7 +218,7 @@ class CacheConfig:
     keep_template: bool = setting(False, "never evict the chat template's control tokens (role markers, turn ends) of "
                                   "any turn; they count against the budget, as pins do", label="Keep template tokens")
     kv_quant: str = setting("none", "keys and values at the model's width (none), or int8 with a scale and zero "
-                            "point per token and head: 144 bytes where bf16 takes 256, a small error",
+                            "point per token and head: 136 bytes where bf16 takes 256, a small error",
                             label="KV storage", choices=KV_QUANTS)
 
     def __post_init__(self):

@@ -36,7 +36,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import scoring
 from .config import Budget, CacheConfig, layer_budgets
-from .kv_int8 import CODES, KEY_SCALE, KEY_ZERO, SCALES, ZEROS, WideScratch, dequantize, quantize
+from .kv_int8 import (
+    CODES,
+    KEY_SCALE,
+    KEY_ZERO,
+    N_ROWS,
+    QP_DTYPE,
+    SCALES,
+    ZEROS,
+    WideScratch,
+    dequantize,
+    quantize,
+)
 from .policy import heavy_score, never_evicted, priority, protection_key, select_keep
 from .step import (
     IDS,
@@ -49,7 +60,6 @@ from .step import (
     SCORE,
     DecodeStep,
     StepRows,
-    acc_rows,
     attend_and_replace,
     score_dtype,
 )
@@ -139,7 +149,8 @@ class H2OLayer(CacheLayerMixin):
         self.n_slots = 0
         self.kv = None  # [2, batch, kv_heads, capacity, head_dim]
         self.meta = None  # [N_META, batch, kv_heads, capacity] integer
-        self.acc = None  # [acc_rows, batch, kv_heads, capacity] the score dtype (scales too for int8 slots)
+        self.acc = None  # [N_ACC, batch, kv_heads, capacity] the score dtype
+        self.qp = None  # [N_ROWS, batch, kv_heads, capacity] float16: int8 slots' scales and zero points
         self.pins_seen = None  # the pins the protection keys were computed for
         self.roll_floor = 0  # no key sits at a position below this (rolling positions)
         self.step = None  # the decode step's views and scratch buffers, made at its first run
@@ -207,20 +218,23 @@ class H2OLayer(CacheLayerMixin):
         ones widened with their scales (what attention reads), for code that wants plain tensors."""
         n = self.n_slots
         if self.kv.dtype == CODES:
-            return tuple(dequantize(self.kv[:, :, :, :n], self.acc[SCALES, :, :, :n], self.acc[ZEROS, :, :, :n], dtype))
+            return tuple(dequantize(self.kv[:, :, :, :n], self.qp[SCALES, :, :, :n], self.qp[ZEROS, :, :, :n], dtype))
         return self.keys.to(dtype, copy=True), self.values.to(dtype, copy=True)
 
     def snapshot(self):
-        buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone())
+        buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone(),
+                                                self.qp if self.qp is None else self.qp.clone())
         return self.n_seen, self.n_slots, self.roll_floor, buffers
 
     @staticmethod
     def state_tensors(state, prefix):
         """A `snapshot()` as named tensors (`prefix` kv, meta: meta and acc packed as one integer
-        tensor, `pack_meta`; none before the layer holds anything)
+        tensor, `pack_meta`; qp for int8 slots; none before the layer holds anything)
         and its counts (n_seen, n_slots, roll_floor): what a saved cache file holds of this layer."""
         n_seen, n_slots, roll_floor, buffers = state
-        tensors = {} if buffers is None else {prefix + "kv": buffers[0], prefix + "meta": pack_meta(*buffers[1:])}
+        tensors = {} if buffers is None else {prefix + "kv": buffers[0], prefix + "meta": pack_meta(*buffers[1:3])}
+        if buffers is not None and buffers[3] is not None:
+            tensors[prefix + "qp"] = buffers[3]
         return tensors, (n_seen, n_slots, roll_floor)
 
     @staticmethod
@@ -230,9 +244,9 @@ class H2OLayer(CacheLayerMixin):
         return None if buffers is None else buffers[1][IDS, :, :, :n_slots].long()
 
     @staticmethod
-    def state_from(kv, meta, counts, kv_heads, head_dim, dtype, limits, kv_dtype=None):
+    def state_from(kv, meta, qp, counts, kv_heads, head_dim, dtype, limits, kv_dtype=None):
         """The `snapshot()` that `state_tensors` gave (kv, meta None for a layer that held
-        nothing), checked against the model (kv heads, head_dim, dtype), how the cache stores
+        nothing; qp None but for int8 slots), checked against the model (kv heads, head_dim, dtype), how the cache stores
         keys and values (`kv_dtype`: int8, or the model's dtype when None) and the resolved
         `limits`: ValueError saying what does not fit, before anything is touched."""
         n_seen, n_slots, roll_floor = counts
@@ -250,8 +264,13 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError(f"keys and values of shape {list(kv.shape)}, the model has {kv_heads} KV heads of "
                              f"{head_dim}")
         capacity = kv.shape[3]
-        if list(meta.shape) != [N_META + acc_rows(kv.dtype), *kv.shape[1:4]]:
-            raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}")
+        if list(meta.shape) != [N_META + N_ACC, *kv.shape[1:4]]:
+            raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}"
+                             + (" (int8 scales saved at float32 by an older h2o-chat)" if kv.dtype == CODES else ""))
+        if kv.dtype == CODES and (qp is None or qp.dtype != QP_DTYPE or list(qp.shape) != [N_ROWS, *kv.shape[1:4]]):
+            raise ValueError(f"int8 keys and values without their {QP_DTYPE} scales and zero points")
+        if kv.dtype != CODES and qp is not None:
+            raise ValueError("scales and zero points beside keys and values that are not int8")
         meta, acc = unpack_meta(meta, score_dtype(dtype))
         bounded = limits is not None and limits.budget is not None
         if n_slots > capacity or (bounded and (capacity != limits.budget + 1 or n_slots > limits.budget)):
@@ -260,7 +279,7 @@ class H2OLayer(CacheLayerMixin):
         ids = meta[IDS, :, :, :n_slots]
         if n_slots and (int(ids.min()) < 0 or int(ids.max()) >= n_seen):
             raise ValueError("slots hold tokens that were never fed")
-        return n_seen, n_slots, roll_floor, (kv, meta, acc)
+        return n_seen, n_slots, roll_floor, (kv, meta, acc, qp)
 
     def restore(self, state, adopt=False):
         """Back to a `snapshot()` (which stays valid, unless `adopt`: its buffers may become the
@@ -268,24 +287,27 @@ class H2OLayer(CacheLayerMixin):
         written in place, so the decode step's views stay valid."""
         n_seen, n_slots, roll_floor, buffers = state
         if buffers is None:
-            self.set_buffers(None, None, None, 0)
+            self.set_buffers(None, None, None, None, 0)
         elif self.kv is not None and self.kv.shape == buffers[0].shape:
             self.kv.copy_(buffers[0])
             self.meta.copy_(buffers[1])
             self.acc.copy_(buffers[2])
+            if self.qp is not None:
+                self.qp.copy_(buffers[3])
             self.n_slots = n_slots
             self._forget_views()
         elif adopt:
             self.set_buffers(*buffers, n_slots)
         else:
-            self.set_buffers(*(b.clone() for b in buffers), n_slots)
+            self.set_buffers(*(None if b is None else b.clone() for b in buffers), n_slots)
         self.n_seen, self.roll_floor = n_seen, roll_floor
         self.pins_seen = None  # the snapshot's keys were made for its own pins: the cache's are set again
 
     # --- buffers ----------------------------------------------------------------------------------
-    def set_buffers(self, kv, meta, acc, n_slots):
-        """Hold these buffers (chat/batch.py hands a layer views of a shared arena's row, and back)."""
-        self.kv, self.meta, self.acc, self.n_slots, self.step = kv, meta, acc, n_slots, None
+    def set_buffers(self, kv, meta, acc, qp, n_slots):
+        """Hold these buffers (chat/batch.py hands a layer views of a shared arena's row, and back);
+        qp is None but for int8 slots."""
+        self.kv, self.meta, self.acc, self.qp, self.n_slots, self.step = kv, meta, acc, qp, n_slots, None
         self.is_initialized = kv is not None
         self._forget_views()
 
@@ -296,12 +318,15 @@ class H2OLayer(CacheLayerMixin):
         kv_dtype = CODES if self.config.kv_quant == "int8" else like.dtype
         kv = torch.zeros(2, b, h, capacity, d, dtype=kv_dtype, device=like.device)
         meta = torch.zeros(N_META, b, h, capacity, dtype=INT_OF[score_dtype(like.dtype)], device=like.device)
-        acc = torch.zeros(acc_rows(kv_dtype), b, h, capacity, dtype=score_dtype(like.dtype), device=like.device)
+        acc = torch.zeros(N_ACC, b, h, capacity, dtype=score_dtype(like.dtype), device=like.device)
+        qp = torch.zeros(N_ROWS, b, h, capacity, dtype=QP_DTYPE, device=like.device) if kv_dtype == CODES else None
         if self.kv is not None:
             kv[:, :, :, : self.n_slots] = self.kv[:, :, :, : self.n_slots]
             meta[..., : self.n_slots] = self.meta[..., : self.n_slots]
             acc[..., : self.n_slots] = self.acc[..., : self.n_slots]
-        self.set_buffers(kv, meta, acc, self.n_slots)
+            if qp is not None:
+                qp[..., : self.n_slots] = self.qp[..., : self.n_slots]
+        self.set_buffers(kv, meta, acc, qp, self.n_slots)
 
     def refresh_protection(self, n_sink, pins):
         """The live slots' protection keys for these pins (nothing to do if they were made for them)."""
@@ -333,21 +358,26 @@ class H2OLayer(CacheLayerMixin):
             # bounded layers get their final size (budget + 1 spare slot) once; unbounded ones
             # grow 256 slots at a time instead of copying everything every step
             self.allocate(budget + 1 if budget is not None else -(-total // GROWTH) * GROWTH, keys)
+        int8 = self.qp is not None
         if n == 1 and total <= self.capacity:
             self._write_token(keys, values, limits.n_sink, pins)
-            kv, meta, acc = self.kv[:, :, :, :total], self.meta[..., :total], self.acc[..., :total]
         elif total <= self.capacity:
             s = slice(self.n_slots, total)
-            self.kv[:, :, :, s], self.acc[..., s] = self._new_slots(keys, values)
+            self.kv[:, :, :, s], self.acc[..., s], new_qp = self._new_slots(keys, values)
+            if int8:
+                self.qp[..., s] = new_qp
             self.meta[..., s] = self._new_meta(b, h, n, limits.n_sink, pins)
+        if total <= self.capacity:
             kv, meta, acc = self.kv[:, :, :, :total], self.meta[..., :total], self.acc[..., :total]
+            qp = self.qp[..., :total] if int8 else None
         else:  # a chunk larger than the spare room: attend over temporaries, keep into the buffers
-            new_kv, new_acc = self._new_slots(keys, values)
+            new_kv, new_acc, new_qp = self._new_slots(keys, values)
             kv = torch.cat((self.kv[:, :, :, : self.n_slots], new_kv), dim=3)
             meta = torch.cat((self.meta[..., : self.n_slots], self._new_meta(b, h, n, limits.n_sink, pins)), dim=3)
             acc = torch.cat((self.acc[..., : self.n_slots], new_acc), dim=3)
+            qp = torch.cat((self.qp[..., : self.n_slots], new_qp), dim=3) if int8 else None
         self.n_seen += n
-        read = kv if kv.dtype != CODES else dequantize(kv, acc[SCALES], acc[ZEROS], query.dtype)
+        read = dequantize(kv, qp[SCALES], qp[ZEROS], query.dtype) if int8 else kv
         out, probs = scoring.grouped_attention(query, read[0], read[1], scaling)
         scoring.add_mass(acc[SCORE], acc[QUERIES], probs, self.config.score, self.config.decay)
         evicted = budget is not None and total > budget
@@ -359,6 +389,8 @@ class H2OLayer(CacheLayerMixin):
             kept_meta = meta.gather(3, keep[None].expand(N_META, -1, -1, -1))
             kept_acc = acc.gather(3, keep[None].expand(acc.shape[0], -1, -1, -1))
             self.kv[:, :, :, :budget], self.meta[..., :budget], self.acc[..., :budget] = kept_kv, kept_meta, kept_acc
+            if int8:
+                self.qp[..., :budget] = qp.gather(3, keep[None].expand(N_ROWS, -1, -1, -1))
             total = budget
         self.n_slots = total
         self._forget_views()
@@ -371,7 +403,7 @@ class H2OLayer(CacheLayerMixin):
         a compiled step never sees one made), for queries of `group` heads per KV head in `dtype`."""
         if self.step is None:
             wide = self.wide.for_slots(self.kv, self.acc.dtype)
-            self.step = DecodeStep.over(self.kv, self.meta, self.acc, group, dtype, scaling, wide)
+            self.step = DecodeStep.over(self.kv, self.meta, self.acc, self.qp, group, dtype, scaling, wide)
 
     def decode(self, keys, values, query, rows: StepRows):
         """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a full layer, the host's
@@ -412,22 +444,23 @@ class H2OLayer(CacheLayerMixin):
         if self.kv.dtype != CODES:
             rotate_keys(self.keys, target - self.positions, self.inv_freq)
         else:  # int8 keys: widened, rotated, quantized again (one more rounding per re-lay)
-            n, acc = self.n_slots, self.acc
-            keys = dequantize(self.keys, acc[KEY_SCALE, :, :, :n], acc[KEY_ZERO, :, :, :n], acc.dtype)
+            n, qp = self.n_slots, self.qp
+            keys = dequantize(self.keys, qp[KEY_SCALE, :, :, :n], qp[KEY_ZERO, :, :, :n], self.acc.dtype)
             rotate_keys(keys, target - self.positions, self.inv_freq)
-            self.keys[:], acc[KEY_SCALE, :, :, :n], acc[KEY_ZERO, :, :, :n] = quantize(keys, acc.dtype)
+            self.keys[:], qp[KEY_SCALE, :, :, :n], qp[KEY_ZERO, :, :, :n] = quantize(keys, self.acc.dtype)
         self.positions.copy_(target)
         self.roll_floor = self.n_seen - self.n_slots
 
     def _new_slots(self, keys, values):
         """New keys, values [b, h, n, head_dim] as slots hold them: kv [2, b, h, n, head_dim] (int8
-        for int8 slots) and acc [acc_rows, b, h, n] (score and queries zero, then the scales and
-        zero points)."""
+        for int8 slots), acc [N_ACC, b, h, n] (score and queries zero) and qp [N_ROWS, b, h, n] (int8
+        slots' scales and zero points; None for the others)."""
         kv, acc_dtype = torch.stack((keys, values)), score_dtype(keys.dtype)
+        acc = kv.new_zeros(N_ACC, *kv.shape[1:4], dtype=acc_dtype)
         if self.config.kv_quant == "none":
-            return kv, kv.new_zeros(N_ACC, *kv.shape[1:4], dtype=acc_dtype)
+            return kv, acc, None
         codes, scales, zeros = quantize(kv, acc_dtype)
-        return codes, torch.cat((scales.new_zeros(N_ACC, *scales.shape[1:]), scales, zeros))
+        return codes, acc, torch.cat((scales, zeros))  # [N_ROWS, b, h, n]: KEY_SCALE, VALUE_SCALE, KEY_ZERO, VALUE_ZERO
 
     def _new_meta(self, b, h, n, n_sink, pins):
         """[N_META, b, h, n]: the meta of the next n tokens."""
@@ -445,14 +478,14 @@ class H2OLayer(CacheLayerMixin):
         meta[IDS : KEY + 1].fill_(self.n_seen)  # its id, its position, its protection key
         if never_evicted(self.n_seen, n_sink, pins):
             meta[KEY].fill_(torch.iinfo(meta.dtype).max)
+        self.acc[..., slot].fill_(0)
         if self.kv.dtype == CODES:
-            new_kv, new_acc = self._new_slots(keys, values)
+            new_kv, _, new_qp = self._new_slots(keys, values)
             kv.copy_(new_kv[:, :, :, 0])
-            self.acc[..., slot].copy_(new_acc[..., 0])
+            self.qp[..., slot].copy_(new_qp[..., 0])
             return
         kv[0].copy_(keys[:, :, 0])
         kv[1].copy_(values[:, :, 0])
-        self.acc[..., slot].fill_(0)
 
 
 class H2OCache(Cache):
@@ -547,8 +580,8 @@ class H2OCache(Cache):
         for layer in self.layers:
             if layer.kv is not None:
                 total += 2 * layer.keys.nelement() * layer.keys.element_size()
-                if layer.kv.dtype == CODES:  # a scale and a zero point for each key and value
-                    total += 4 * layer.scores.nelement() * layer.acc.element_size()
+                if layer.qp is not None:  # a scale and a zero point for each key and value
+                    total += N_ROWS * layer.scores.nelement() * layer.qp.element_size()
         return total
 
     @property
@@ -587,11 +620,11 @@ class H2OCache(Cache):
     # --- saving ------------------------------------------------------------------------------
     def export_state(self, snapshot):
         """A `snapshot()` as (tensors, info) for a file (chat/saved_kv.py): per layer i that holds
-        anything `layer.{i}.kv` [2, batch, kv_heads, capacity, head_dim] and `layer.{i}.meta`
-        [N_META + acc rows, batch, kv_heads, capacity] (integers: the scores, and int8 slots' scales,
-        travel as their bits), and
+        anything `layer.{i}.kv` [2, batch, kv_heads, capacity, head_dim], `layer.{i}.meta`
+        [N_META + N_ACC, batch, kv_heads, capacity] (integers: the scores travel as their bits) and,
+        for int8 slots, `layer.{i}.qp` [N_ROWS, batch, kv_heads, capacity] float16, and
         `layer.counts` [layers, 3] (n_seen, n_slots, roll_floor); info: the pins and resolved
-        limits, plain values. The kv tensors are the snapshot's own (no copy); meta is packed anew."""
+        limits, plain values. The kv and qp tensors are the snapshot's own (no copy); meta is packed anew."""
         layers, pins, limits = snapshot
         tensors, counts = {}, []
         for i, state in enumerate(layers):
@@ -614,7 +647,8 @@ class H2OCache(Cache):
         limits = read_limits(info.get("limits"), self.config, len(self.layers))
         pins = read_pins(info.get("pins"))
         kv_dtype = CODES if self.config.kv_quant == "int8" else self.dtype
-        layers = [H2OLayer.state_from(tensors.get(f"layer.{i}.kv"), tensors.get(f"layer.{i}.meta"), row,
+        layers = [H2OLayer.state_from(tensors.get(f"layer.{i}.kv"), tensors.get(f"layer.{i}.meta"),
+                                      tensors.get(f"layer.{i}.qp"), row,
                                       self.kv_heads, self.head_dim, self.dtype, limits and limits.layer(i), kv_dtype)
                   for i, row in enumerate(counts.tolist())]
         if len({state[0] for state in layers}) > 1:

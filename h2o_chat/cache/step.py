@@ -1,12 +1,13 @@
 """A layer's slots in memory, and the decode step over them: the hot path, once per token per layer.
 
-Three packed buffers per layer, so the fields that move together move in one copy:
+Packed buffers per layer, so the fields that move together move in one copy:
     kv    [2, batch, kv_heads, capacity, head_dim]  keys then values, in the model's dtype (or int8)
     meta  [N_META, batch, kv_heads, capacity]       integers (int32; int64 for a float64 model):
           token id, RoPE position, protection key (see policy.protection_key)
     acc   [N_ACC, batch, kv_heads, capacity]        the score dtype (float32; float64): the
-          attention mass each slot received and the queries that could see it; int8 slots
-          (CacheConfig.kv_quant) add four rows: their scales and zero points (kv_int8.py)
+          attention mass each slot received and the queries that could see it
+    qp    [4, batch, kv_heads, capacity]            int8 slots only (CacheConfig.kv_quant): their
+          scales and zero points, float16 (kv_int8.py); None for slots at the model's width
 """
 
 import functools
@@ -19,7 +20,7 @@ from .policy import heavy_score
 
 IDS, POS, KEY = range(3)  # rows of a layer's meta buffer
 N_META = 3
-SCORE, QUERIES = range(2)  # rows of its acc buffer (int8 slots add kv_int8's rows after them)
+SCORE, QUERIES = range(2)  # rows of its acc buffer
 N_ACC = 2
 INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # the meta dtype for each score dtype: same width
 
@@ -27,11 +28,6 @@ INT_OF = {torch.float32: torch.int32, torch.float64: torch.int64}  # the meta dt
 def score_dtype(model_dtype):
     """Scores add up in at least float32, like transformers' softmax."""
     return torch.promote_types(model_dtype, torch.float32)
-
-
-def acc_rows(kv_dtype):
-    """How many rows a layer's acc buffer has for slots stored in `kv_dtype`."""
-    return N_ACC + kv_int8.N_ROWS if kv_dtype == kv_int8.CODES else N_ACC
 
 
 @dataclass(frozen=True)
@@ -106,7 +102,7 @@ class DecodeStep:
     spare_v: torch.Tensor
     spare_kv: torch.Tensor  # [2, b, h, 1, d]
     spare_meta: torch.Tensor  # [N_META, b, h, 1]
-    spare_acc4: torch.Tensor  # [acc rows, b, h, 1]
+    spare_acc4: torch.Tensor  # [N_ACC, b, h, 1]
     spare_ints: torch.Tensor  # [3, b, h]: the spare's id, position and protection key
     spare_key: torch.Tensor  # [b, h]
     spare_acc: torch.Tensor  # [N_ACC, b, h]: its score and query count
@@ -134,29 +130,34 @@ class DecodeStep:
     victim: torch.Tensor  # [b, h, 1] long
     stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
     stage_meta: torch.Tensor  # [N_META, b, h, 1]
-    stage_acc: torch.Tensor  # [acc rows, b, h, 1]
+    stage_acc: torch.Tensor  # [N_ACC, b, h, 1]
     stage_kv_flat: torch.Tensor  # [2, b*h, d]: views of the two above, as index_copy_ reads them
     stage_meta_flat: torch.Tensor  # [N_META, b*h]
-    stage_acc_flat: torch.Tensor  # [acc rows, b*h]
+    stage_acc_flat: torch.Tensor  # [N_ACC, b*h]
     kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
     meta_flat: torch.Tensor  # [N_META, b*h*cap]
-    acc_flat: torch.Tensor  # [acc rows, b*h*cap]
+    acc_flat: torch.Tensor  # [N_ACC, b*h*cap]
     slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
     victim_rows: torch.Tensor  # [b*h]: a view of victim
     flat_victim: torch.Tensor  # [b*h]
     out4: torch.Tensor  # [b, 1, q_heads, d]: a view of out, what attend returns
     int8: kv_int8.Int8Step | None  # int8 slots: their views and scratch (None otherwise)
+    spare_qp: torch.Tensor | None  # [N_ROWS, b, h, 1] int8 slots: the spare's scales and zero points
+    stage_qp: torch.Tensor | None  # [N_ROWS, b, h, 1]
+    stage_qp_flat: torch.Tensor | None  # [N_ROWS, b*h]
+    qp_flat: torch.Tensor | None  # [N_ROWS, b*h*cap]
 
     @classmethod
-    def over(cls, kv, meta, acc_buf, group, dtype, scaling, wide=None):
-        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [acc_rows, b, h, cap]; queries of
-        `group` heads per KV head in `dtype`; for int8 slots, wide [b*h, cap, d] in acc's dtype (a
-        kv_int8.WideScratch's)."""
+    def over(cls, kv, meta, acc_buf, qp, group, dtype, scaling, wide=None):
+        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [N_ACC, b, h, cap], qp (int8 slots)
+        [N_ROWS, b, h, cap] or None; queries of `group` heads per KV head in `dtype`; for int8 slots,
+        wide [b*h, cap, d] in acc's dtype (a kv_int8.WideScratch's)."""
         _, b, h, cap, d = kv.shape
         spare, acc, dev, low = cap - 1, acc_buf.dtype, kv.device, dtype
         out, victim = torch.empty(b * h, group, d, dtype=low, device=dev), torch.empty(b, h, 1, dtype=torch.long, device=dev)
         stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
         stage_acc = acc_buf.new_empty(acc_buf.shape[0], b, h, 1)
+        stage_qp = None if qp is None else qp.new_empty(qp.shape[0], b, h, 1)
         float_slots = kv.dtype != kv_int8.CODES  # int8 slots attend through their own buffers (kv_int8.Int8Step)
         return cls(
             group=group,
@@ -165,7 +166,7 @@ class DecodeStep:
             spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
             spare_acc=acc_buf[:N_ACC, :, :, spare],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            int8=None if float_slots else kv_int8.Int8Step.over(kv, acc_buf, group, dtype, wide),
+            int8=None if float_slots else kv_int8.Int8Step.over(kv, qp, group, dtype, wide),
             ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
             scores3=acc_buf[SCORE].view(b * h, 1, cap),
             scale=torch.tensor(scaling, dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
@@ -186,6 +187,9 @@ class DecodeStep:
             stage_kv=stage_kv, stage_meta=stage_meta, stage_acc=stage_acc,
             stage_kv_flat=stage_kv.view(2, b * h, d), stage_meta_flat=stage_meta.view(N_META, b * h),
             stage_acc_flat=stage_acc.view(-1, b * h),
+            spare_qp=None if qp is None else qp[..., spare:], stage_qp=stage_qp,
+            stage_qp_flat=None if qp is None else stage_qp.view(-1, b * h),
+            qp_flat=None if qp is None else qp.view(-1, b * h * cap),
             # the victims as indices into the slots of every (row, head) laid end to end: one
             # index_copy_ moves the spare (a bf16 scatter_ along the slot dim is ~10x slower on CPU)
             kv_flat=kv.view(2, b * h * cap, d), meta_flat=meta.view(N_META, b * h * cap),
@@ -256,4 +260,7 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StepRows):
     s.kv_flat.index_copy_(1, s.flat_victim, s.stage_kv_flat)
     s.meta_flat.index_copy_(1, s.flat_victim, s.stage_meta_flat)
     s.acc_flat.index_copy_(1, s.flat_victim, s.stage_acc_flat)
+    if s.qp_flat is not None:
+        s.stage_qp.copy_(s.spare_qp)
+        s.qp_flat.index_copy_(1, s.flat_victim, s.stage_qp_flat)
     return s.out4

@@ -17,7 +17,8 @@ conversation's own thread, untouched.
 Stacking: an `Arena` per cache setting holds, per layer,
     kv    [2, rows, kv_heads, budget + 1, head_dim]
     meta  [N_META, rows, kv_heads, budget + 1]          (the layout of cache/step.py)
-    acc   [acc rows, rows, kv_heads, budget + 1]
+    acc   [N_ACC, rows, kv_heads, budget + 1]
+    qp    [4, rows, kv_heads, budget + 1]                (int8 slots only: their scales and zero points)
 A joining conversation's buffers are copied into a free row, and its own H2OCache layers become
 views of that row: its snapshots, the panel's reads and its position roll keep working unchanged.
 When it leaves (its reply ended, or it sat out too many steps) the row is copied back into buffers
@@ -229,7 +230,7 @@ class Arena:
     def __init__(self):
         self.members = []  # H2OCache per row
         self.idle = []  # steps each member has sat out in a row
-        self.kv = self.meta = self.acc = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META | acc rows, rows, kv_heads, cap]
+        self.kv = self.meta = self.acc = self.qp = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META | N_ACC | 4, rows, kv_heads, cap]
         self.steps = None  # per layer: the DecodeStep over the current number of rows
         self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
 
@@ -248,6 +249,8 @@ class Arena:
             self.kv[i][:, r : r + 1].copy_(layer.kv)
             self.meta[i][:, r : r + 1].copy_(layer.meta)
             self.acc[i][:, r : r + 1].copy_(layer.acc)
+            if layer.qp is not None:
+                self.qp[i][:, r : r + 1].copy_(layer.qp)
             layer.set_buffers(*self._row(i, r), layer.n_slots)
         self.members.append(cache)
         self.idle.append(0)
@@ -261,7 +264,8 @@ class Arena:
         if self._holds(cache, r):
             for layer in cache.layers:
                 own = torch.contiguous_format
-                layer.set_buffers(*(b.clone(memory_format=own) for b in (layer.kv, layer.meta, layer.acc)), layer.n_slots)
+                layer.set_buffers(*(None if b is None else b.clone(memory_format=own)
+                                    for b in (layer.kv, layer.meta, layer.acc, layer.qp)), layer.n_slots)
         if r != last:
             moved = self.members[last]
             held = self._holds(moved, last)
@@ -269,6 +273,8 @@ class Arena:
                 self.kv[i][:, r].copy_(self.kv[i][:, last])
                 self.meta[i][:, r].copy_(self.meta[i][:, last])
                 self.acc[i][:, r].copy_(self.acc[i][:, last])
+                if self.qp[i] is not None:
+                    self.qp[i][:, r].copy_(self.qp[i][:, last])
                 if held:
                     layer.set_buffers(*self._row(i, r), layer.n_slots)
             self.members[r], self.idle[r] = moved, self.idle[last]
@@ -286,21 +292,26 @@ class Arena:
 
     def _row(self, i, r):
         """Layer i's buffers of row r, as views [.., 1, kv_heads, cap, ..] a member's layer holds."""
-        return self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], self.acc[i][:, r : r + 1]
+        qp = self.qp[i]
+        return (self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], self.acc[i][:, r : r + 1],
+                None if qp is None else qp[:, r : r + 1])
 
     def _grow(self, rows, like):
-        kv, meta, acc = [], [], []
+        kv, meta, acc, qp = [], [], [], []
         for i, layer in enumerate(like.layers):
             _, _, h, cap, d = layer.kv.shape
             kv.append(layer.kv.new_zeros(2, rows, h, cap, d))  # zeros: a free slot's value times 0 is 0, never NaN
             meta.append(layer.meta.new_zeros(N_META, rows, h, cap))
             acc.append(layer.acc.new_zeros(layer.acc.shape[0], rows, h, cap))
+            qp.append(None if layer.qp is None else layer.qp.new_zeros(layer.qp.shape[0], rows, h, cap))
             if self.kv:
                 kv[i][:, : self.rows].copy_(self.kv[i])
                 meta[i][:, : self.rows].copy_(self.meta[i])
                 acc[i][:, : self.rows].copy_(self.acc[i])
+                if qp[i] is not None:
+                    qp[i][:, : self.rows].copy_(self.qp[i])
         held = [self._holds(c, r) for r, c in enumerate(self.members)]
-        self.kv, self.meta, self.acc = kv, meta, acc
+        self.kv, self.meta, self.acc, self.qp = kv, meta, acc, qp
         for r, cache in enumerate(self.members):
             if held[r]:
                 for i, layer in enumerate(cache.layers):
@@ -334,8 +345,9 @@ class Arena:
     def _decode_step(self, i, n):
         """Layer i's DecodeStep over rows [0, n), made on the host before the step runs."""
         first = self.members[0]
-        kv, meta, acc = self.kv[i][:, :n], self.meta[i][:, :n], self.acc[i][:, :n]
-        return DecodeStep.over(kv, meta, acc, first.group, first.dtype, first.scaling, self.wide.for_slots(kv, acc.dtype))
+        kv, meta, acc, qp = self.kv[i][:, :n], self.meta[i][:, :n], self.acc[i][:, :n], self.qp[i]
+        return DecodeStep.over(kv, meta, acc, None if qp is None else qp[:, :n], first.group, first.dtype, first.scaling,
+                               self.wide.for_slots(kv, acc.dtype))
 
     def _row_state(self, active):
         """Layer i's StepRows: what differs between the rows of one step, the same for every layer
