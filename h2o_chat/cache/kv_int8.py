@@ -160,7 +160,12 @@ class Int8Step:
         copied into the scratch first, and every slot's scales and zero points up to acc."""
         self.qparams.copy_(self.qp_rows)  # the spare's too: `write` ran before
         self.values.copy_(self.key_codes)  # keys_t is the same buffer, transposed
-        query = torch.mul(query, scale, out=self.query)  # scaled first: [b*h, g, d] is the smallest operand
+        # scaled first: [b*h, g, d] is the smallest operand (a bf16 query is widened before, in
+        # place: a mixed-dtype mul would round the product to bf16 and allocate its cast)
+        if query.dtype == self.query.dtype:
+            query = torch.mul(query, scale, out=self.query)
+        else:
+            query = self.query.copy_(query).mul_(scale)
         logits = torch.bmm(query, self.keys_t, out=self.logits).mul_(self.key_scales)
         # the zero points' term, an outer product [b*h, g, 1] x [b*h, 1, cap] (elementwise: a bmm of
         # inner size 1 costs a matmul call and its checks)
