@@ -223,7 +223,7 @@ class H2OLayer(CacheLayerMixin):
 
     def snapshot(self):
         buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone(),
-                                                self.qp if self.qp is None else self.qp.clone())
+                                                None if self.qp is None else self.qp.clone())
         return self.n_seen, self.n_slots, self.roll_floor, buffers
 
     @staticmethod
@@ -246,9 +246,10 @@ class H2OLayer(CacheLayerMixin):
     @staticmethod
     def state_from(kv, meta, qp, counts, kv_heads, head_dim, dtype, limits, kv_dtype=None):
         """The `snapshot()` that `state_tensors` gave (kv, meta None for a layer that held
-        nothing; qp None but for int8 slots), checked against the model (kv heads, head_dim, dtype), how the cache stores
-        keys and values (`kv_dtype`: int8, or the model's dtype when None) and the resolved
-        `limits`: ValueError saying what does not fit, before anything is touched."""
+        nothing; qp None but for int8 slots), checked against the model (kv heads, head_dim,
+        dtype), how the cache stores keys and values (`kv_dtype`: int8, or the model's dtype when
+        None) and the resolved `limits`: ValueError saying what does not fit, before anything is
+        touched."""
         n_seen, n_slots, roll_floor = counts
         if not 0 <= roll_floor <= n_seen or not 0 <= n_slots <= n_seen:
             raise ValueError(f"inconsistent counts (seen {n_seen}, slots {n_slots}, roll floor {roll_floor})")

@@ -119,7 +119,7 @@ def parse_args(argv=None):
                    help="where sessions are autosaved")
     p.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
                    help="replies generated at once across all tabs and API clients, decoded together in one batch "
-                        f"(default {DEFAULT_CONCURRENCY}; 1 generates one reply at a time, without a batch)")
+                        f"(default {DEFAULT_CONCURRENCY}; 1 generates one reply at a time)")
     p.add_argument("--api-key", default=os.environ.get("H2O_CHAT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on the API (/v1, llama.cpp's and Ollama's routes), and the key as "
                         "the page's password unless --auth is given (default: $H2O_CHAT_API_KEY; with --auth and no "
