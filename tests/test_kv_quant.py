@@ -206,12 +206,17 @@ def test_a_cache_saved_before_the_setting_existed_still_matches_its_settings():
     assert json.loads(config_text(CacheConfig(kv_quant="int8")))["kv_quant"] == "int8"
 
 
-def test_an_int8_state_is_refused_by_a_float_cache_in_words():
-    model = make_tiny_llama(torch.float32)
+def saved_int8_state(model):
+    """An int8 cache fed 30 tokens, and its state as a saved file holds it: (cache, tensors, info)."""
     saved = H2OCache(model, budget=16, kv_quant="int8")
     with torch.no_grad():
         model(torch.arange(30)[None] % 128, cache=saved)
-    tensors, info = saved.export_state(saved.snapshot())
+    return saved, *saved.export_state(saved.snapshot())
+
+
+def test_an_int8_state_is_refused_by_a_float_cache_in_words():
+    model = make_tiny_llama(torch.float32)
+    saved, tensors, info = saved_int8_state(model)
     same = H2OCache(model, budget=16, kv_quant="int8")
     same.restore(same.import_state(tensors, info))
     assert all(torch.equal(a.kv, b.kv) and torch.equal(a.acc, b.acc) and torch.equal(a.qp, b.qp)
@@ -225,10 +230,7 @@ def test_an_int8_state_with_float32_scales_from_an_older_version_is_refused_in_w
     # before float16 scales, a layer's int8 scales and zero points were four more rows of its
     # packed meta tensor and there was no qp tensor: such a file is refused (the chat is replayed)
     model = make_tiny_llama(torch.float32)
-    saved = H2OCache(model, budget=16, kv_quant="int8")
-    with torch.no_grad():
-        model(torch.arange(30)[None] % 128, cache=saved)
-    tensors, info = saved.export_state(saved.snapshot())
+    _, tensors, info = saved_int8_state(model)
     for i in range(model.config.num_hidden_layers):
         qp = tensors.pop(f"layer.{i}.qp").float()
         tensors[f"layer.{i}.meta"] = torch.cat((tensors[f"layer.{i}.meta"], qp.view(torch.int32)))
