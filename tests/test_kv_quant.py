@@ -234,5 +234,5 @@ def test_an_int8_state_with_float32_scales_from_an_older_version_is_refused_in_w
     for i in range(model.config.num_hidden_layers):
         qp = tensors.pop(f"layer.{i}.qp").float()
         tensors[f"layer.{i}.meta"] = torch.cat((tensors[f"layer.{i}.meta"], qp.view(torch.int32)))
-    with pytest.raises(ValueError, match="int8 scales saved at float32 by an older h2o-chat"):
+    with pytest.raises(ValueError, match="it holds int8 scales at float32, as h2o-chat stored them before float16"):
         H2OCache(model, budget=16, kv_quant="int8").import_state(tensors, info)

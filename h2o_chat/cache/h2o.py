@@ -265,9 +265,10 @@ class H2OLayer(CacheLayerMixin):
             raise ValueError(f"keys and values of shape {list(kv.shape)}, the model has {kv_heads} KV heads of "
                              f"{head_dim}")
         capacity = kv.shape[3]
+        if kv.dtype == CODES and qp is None and list(meta.shape) == [N_META + N_ACC + N_ROWS, *kv.shape[1:4]]:
+            raise ValueError("it holds int8 scales at float32, as h2o-chat stored them before float16")
         if list(meta.shape) != [N_META + N_ACC, *kv.shape[1:4]]:
-            raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}"
-                             + (" (int8 scales saved at float32 by an older h2o-chat)" if kv.dtype == CODES else ""))
+            raise ValueError(f"slot data of shape {list(meta.shape)} for keys of shape {list(kv.shape)}")
         if kv.dtype == CODES and (qp is None or qp.dtype != QP_DTYPE or list(qp.shape) != [N_ROWS, *kv.shape[1:4]]):
             raise ValueError(f"int8 keys and values without their {QP_DTYPE} scales and zero points")
         if kv.dtype != CODES and qp is not None:
