@@ -254,6 +254,21 @@ def test_another_model_or_other_settings_is_refused_with_a_notice_and_a_replay(t
     assert reopened.timeline.tokens_processed == len(reopened.ledger) and reopened.cache.limits.budget == 40
 
 
+def test_settings_changed_in_the_session_replay_without_a_notice(tmp_path):
+    # the page's "Apply and replay": the states saved under the old settings cannot be used, which
+    # is what the user just asked for, so no notice says it (reopening such a chat does: above)
+    model, tok = make_tiny_chat()
+    session = greedy(model, tok, tmp_path)
+    story(session, TURNS[:3])
+    saved_kv.flush()
+    assert session.take_notices() == []
+    session.configure(cache=dict(CACHE, budget=40))
+    assert session.take_notices() == []
+    assert session.timeline.tokens_processed == len(session.ledger) and session.cache.limits.budget == 40
+    session.configure(cache=CACHE)  # back: the old settings' newest state is loaded, not replayed
+    assert session.take_notices() == [] and session.timeline.tokens_processed == 0
+
+
 def test_a_state_whose_pinned_tokens_were_evicted_is_not_used_for_the_pin(tmp_path):
     """Saved before message 2 was pinned: its tokens are gone from the cache, so the latest saved
     states cannot serve the pinned conversation, which is fed again from before them."""

@@ -227,11 +227,11 @@ class States:
         return found
 
     # --- finding and loading ----------------------------------------------------------------------
-    def candidates(self, target, longer_than, config):
+    def candidates(self, target, longer_than, config, settings_notice=True):
         """Paths of this model's states under these settings whose tokens are a prefix of
         `target` (ids) longer than `longer_than`, most tokens first. At a first load (longer_than
-        0) a state that would have fitted but belongs to another model or settings is named in a
-        notice."""
+        0) a state that would have fitted but belongs to another model or (unless not
+        `settings_notice`) other settings is named in a notice."""
         WRITER.settle(self.data_dir, self.chain(), longer_than, target)  # a state still being written is one to find
         files = [f for f in self.files() if longer_than < f[1] <= len(target)]
         if not files:
@@ -242,9 +242,10 @@ class States:
         usable = [f for f in files if f[2] == prefix[f[1]]]
         mine = sorted((f for f in usable if f[3] == self.model_tag and f[4] == config_tag), key=lambda f: -f[1])
         if not mine and usable and longer_than == 0:
-            other_model = any(f[3] != self.model_tag for f in usable)
-            self._notice("The saved cache belongs to another model: replaying the conversation." if other_model
-                         else "The saved cache was made with other cache settings: replaying the conversation.")
+            if any(f[3] != self.model_tag for f in usable):
+                self._notice("The saved cache belongs to another model: replaying the conversation.")
+            elif settings_notice:
+                self._notice("The saved cache was made with other cache settings: replaying the conversation.")
         return [f[0] for f in mine]
 
     def load(self, path, timeline, target):

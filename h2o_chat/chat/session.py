@@ -678,6 +678,7 @@ class ChatSession:
             if timeline is not None or fresh or new_cache:
                 self.timeline = timeline or Timeline(self.model, self.tokenizer, new.cache, self.batcher, self.saved,
                                                      self.compiler)
+                self.timeline.settings_notice = first or not new_cache  # not news right after the user changed them
             if new_cache or not self.messages:
                 self.turn_stats = []
             if first or seed_given or new.sampling != was.sampling:

@@ -79,6 +79,9 @@ class Timeline:
     def __init__(self, model, tokenizer, cache_config, batcher=None, saved=None, compiler=None):
         self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
         self.saved = saved  # saved_kv.States: the conversation's saved states, where a sync may start from
+        # whether a saved state under other cache settings is news: on opening a conversation it
+        # says why it replays; right after the user changed the settings it is what they asked for
+        self.settings_notice = True
         self.cache = H2OCache(model, config=cache_config)
         self.decoder = Decoder(model)  # the lean forward for one generated token (decode.py)
         self.compiler = compiler  # models.compile.StepCompiler: the model's compiled step, or None
@@ -127,7 +130,7 @@ class Timeline:
         it; True when one was loaded."""
         if self.saved is None or len(target) <= len(self.fed):
             return False
-        for path in self.saved.candidates(target, len(self.fed), self.cache.config):
+        for path in self.saved.candidates(target, len(self.fed), self.cache.config, self.settings_notice):
             loaded = self.saved.load(path, self, target)
             if loaded is None:
                 continue
