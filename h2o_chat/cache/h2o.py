@@ -157,6 +157,12 @@ class H2OLayer(CacheLayerMixin):
         self._live = None
 
     @property
+    def buffers(self):
+        """(kv, meta, acc, qp): every buffer that holds the slots, each [rows, batch, kv_heads,
+        capacity, ...] (qp None but for int8 slots): what moves when a slot or a batch row moves."""
+        return self.kv, self.meta, self.acc, self.qp
+
+    @property
     def capacity(self):
         return self.kv.shape[3] if self.kv is not None else 0
 
@@ -222,8 +228,7 @@ class H2OLayer(CacheLayerMixin):
         return self.keys.to(dtype, copy=True), self.values.to(dtype, copy=True)
 
     def snapshot(self):
-        buffers = None if self.kv is None else (self.kv.clone(), self.meta.clone(), self.acc.clone(),
-                                                None if self.qp is None else self.qp.clone())
+        buffers = None if self.kv is None else tuple(None if b is None else b.clone() for b in self.buffers)
         return self.n_seen, self.n_slots, self.roll_floor, buffers
 
     @staticmethod
@@ -291,11 +296,9 @@ class H2OLayer(CacheLayerMixin):
         if buffers is None:
             self.set_buffers(None, None, None, None, 0)
         elif self.kv is not None and self.kv.shape == buffers[0].shape:
-            self.kv.copy_(buffers[0])
-            self.meta.copy_(buffers[1])
-            self.acc.copy_(buffers[2])
-            if self.qp is not None:
-                self.qp.copy_(buffers[3])
+            for mine, saved in zip(self.buffers, buffers):
+                if mine is not None:
+                    mine.copy_(saved)
             self.n_slots = n_slots
             self._forget_views()
         elif adopt:

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.kv_int8 import WideScratch
-from ..cache.step import N_META, DecodeStep, StepRows, attend_and_replace
+from ..cache.step import DecodeStep, StepRows, attend_and_replace
 from ..models.compile import Compilation, step_compiler
 from ..models.decode import Decoder
 
@@ -246,12 +246,11 @@ class Arena:
             self._grow(max(1, 2 * self.rows), cache)
         r = len(self.members)
         for i, layer in enumerate(cache.layers):
-            self.kv[i][:, r : r + 1].copy_(layer.kv)
-            self.meta[i][:, r : r + 1].copy_(layer.meta)
-            self.acc[i][:, r : r + 1].copy_(layer.acc)
-            if layer.qp is not None:
-                self.qp[i][:, r : r + 1].copy_(layer.qp)
-            layer.set_buffers(*self._row(i, r), layer.n_slots)
+            row = self._row(i, r)
+            for mine, its in zip(row, layer.buffers):
+                if its is not None:
+                    mine.copy_(its)
+            layer.set_buffers(*row, layer.n_slots)
         self.members.append(cache)
         self.idle.append(0)
         self.steps = None
@@ -264,17 +263,15 @@ class Arena:
         if self._holds(cache, r):
             for layer in cache.layers:
                 own = torch.contiguous_format
-                layer.set_buffers(*(None if b is None else b.clone(memory_format=own)
-                                    for b in (layer.kv, layer.meta, layer.acc, layer.qp)), layer.n_slots)
+                layer.set_buffers(*(None if b is None else b.clone(memory_format=own) for b in layer.buffers),
+                                  layer.n_slots)
         if r != last:
             moved = self.members[last]
             held = self._holds(moved, last)
             for i, layer in enumerate(moved.layers):
-                self.kv[i][:, r].copy_(self.kv[i][:, last])
-                self.meta[i][:, r].copy_(self.meta[i][:, last])
-                self.acc[i][:, r].copy_(self.acc[i][:, last])
-                if self.qp[i] is not None:
-                    self.qp[i][:, r].copy_(self.qp[i][:, last])
+                for b in self._layer(i):
+                    if b is not None:
+                        b[:, r].copy_(b[:, last])
                 if held:
                     layer.set_buffers(*self._row(i, r), layer.n_slots)
             self.members[r], self.idle[r] = moved, self.idle[last]
@@ -290,28 +287,26 @@ class Arena:
         return layer.kv is not None and layer.kv.data_ptr() == self.kv[0][:, r : r + 1].data_ptr() \
             and layer.kv.shape[3] == self.kv[0].shape[3]
 
+    def _layer(self, i):
+        """Layer i's buffers, in H2OLayer.buffers' order: (kv, meta, acc, qp), qp None but for int8 slots."""
+        return self.kv[i], self.meta[i], self.acc[i], self.qp[i]
+
     def _row(self, i, r):
         """Layer i's buffers of row r, as views [.., 1, kv_heads, cap, ..] a member's layer holds."""
-        qp = self.qp[i]
-        return (self.kv[i][:, r : r + 1], self.meta[i][:, r : r + 1], self.acc[i][:, r : r + 1],
-                None if qp is None else qp[:, r : r + 1])
+        return tuple(None if b is None else b[:, r : r + 1] for b in self._layer(i))
 
     def _grow(self, rows, like):
-        kv, meta, acc, qp = [], [], [], []
+        grown = []  # per layer: its buffers with `rows` rows, the rows held so far copied over
         for i, layer in enumerate(like.layers):
-            _, _, h, cap, d = layer.kv.shape
-            kv.append(layer.kv.new_zeros(2, rows, h, cap, d))  # zeros: a free slot's value times 0 is 0, never NaN
-            meta.append(layer.meta.new_zeros(N_META, rows, h, cap))
-            acc.append(layer.acc.new_zeros(layer.acc.shape[0], rows, h, cap))
-            qp.append(None if layer.qp is None else layer.qp.new_zeros(layer.qp.shape[0], rows, h, cap))
+            # zeros: a free slot's value times 0 is 0, never NaN
+            new = tuple(None if b is None else b.new_zeros(b.shape[0], rows, *b.shape[2:]) for b in layer.buffers)
             if self.kv:
-                kv[i][:, : self.rows].copy_(self.kv[i])
-                meta[i][:, : self.rows].copy_(self.meta[i])
-                acc[i][:, : self.rows].copy_(self.acc[i])
-                if qp[i] is not None:
-                    qp[i][:, : self.rows].copy_(self.qp[i])
+                for b, old in zip(new, self._layer(i)):
+                    if b is not None:
+                        b[:, : self.rows].copy_(old)
+            grown.append(new)
         held = [self._holds(c, r) for r, c in enumerate(self.members)]
-        self.kv, self.meta, self.acc, self.qp = kv, meta, acc, qp
+        self.kv, self.meta, self.acc, self.qp = (list(b) for b in zip(*grown))
         for r, cache in enumerate(self.members):
             if held[r]:
                 for i, layer in enumerate(cache.layers):

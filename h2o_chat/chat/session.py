@@ -676,9 +676,9 @@ class ChatSession:
         new_cache = first or new.cache != was.cache
         try:
             if timeline is not None or fresh or new_cache:
+                # a saved state under the old settings is not news right after the user changed them
                 self.timeline = timeline or Timeline(self.model, self.tokenizer, new.cache, self.batcher, self.saved,
-                                                     self.compiler)
-                self.timeline.settings_notice = first or not new_cache  # not news right after the user changed them
+                                                     self.compiler, settings_notice=first or not new_cache)
             if new_cache or not self.messages:
                 self.turn_stats = []
             if first or seed_given or new.sampling != was.sampling:

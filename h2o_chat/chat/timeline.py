@@ -76,12 +76,12 @@ def first_missing_pin(pins, layer_ids, n):
 
 
 class Timeline:
-    def __init__(self, model, tokenizer, cache_config, batcher=None, saved=None, compiler=None):
+    def __init__(self, model, tokenizer, cache_config, batcher=None, saved=None, compiler=None, settings_notice=True):
         self.model, self.tokenizer, self.batcher = model, tokenizer, batcher
         self.saved = saved  # saved_kv.States: the conversation's saved states, where a sync may start from
         # whether a saved state under other cache settings is news: on opening a conversation it
         # says why it replays; right after the user changed the settings it is what they asked for
-        self.settings_notice = True
+        self.settings_notice = settings_notice
         self.cache = H2OCache(model, config=cache_config)
         self.decoder = Decoder(model)  # the lean forward for one generated token (decode.py)
         self.compiler = compiler  # models.compile.StepCompiler: the model's compiled step, or None
