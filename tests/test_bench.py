@@ -225,6 +225,19 @@ def test_bench_ops_counts_ops_and_the_one_streaming_sync(tiny_model_dir, play_te
     assert rows["h2o+lean"]["profiled_ms_matmul"] > 0 and rows["h2o+lean"]["profiled_ms_attention"] > 0
 
 
+@pytest.mark.slow
+def test_bench_ops_splits_a_compiled_steps_time_into_guards_wrapper_and_kernels(tiny_model_dir, play_text, tmp_path):
+    cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+              "ops", "--seen", "40", "--steps", "3", "--budget", "16", "--dtype", "fp32", "--methods", "h2o+lean,h2o+compiled"])
+    rows = {r["method"]: r for r in read_results(tmp_path, "ops", plot=False)["rows"]}
+    lean, compiled = rows["h2o+lean"], rows["h2o+compiled"]
+    # inductor fuses the eager step's small ops into its own kernels: fewer aten ops, and the time
+    # compiled code pays besides them, each part seen by the profiler
+    assert compiled["ops_per_token"] < lean["ops_per_token"] / 2
+    assert compiled["profiled_ms_guards"] > 0 and compiled["profiled_ms_wrapper"] > 0 and compiled["profiled_ms_kernels"] > 0
+    assert lean["profiled_ms_guards"] == lean["profiled_ms_wrapper"] == lean["profiled_ms_kernels"] == 0
+
+
 def test_count_ops_sees_every_kind_of_host_sync():
     import torch
 

@@ -5,11 +5,18 @@ profiler's self time split into the weights' matmuls, the attention (its bmm, so
 score's baddbmm) and every other op (the profiler adds its own cost to each op, most to the
 smallest ones, so the split is a proportion, not a sum of the unprofiled time).
 
+A '+compiled' arm (inductor's step, compiled in its first warm-up step, minutes on a CPU) has
+few aten ops; its profiled time is split further into what compiled code pays for besides them:
+Dynamo's guards (checked before each call), the graph's wrapper (the Python that calls the kernels,
+its self time) and inductor's own kernels (compiled with `cpp.enable_kernel_profile`, one record
+each: negligible without the profiler, so its ms_per_token stands).
+
 A decode step is the model's forward on the last token, the greedy pick, and the one `.item()`
 that streams the token (what ChatSession does). h2o's budget is below --seen, so it evicts at
 every step.
 """
 
+import contextlib
 import statistics
 import time
 
@@ -17,7 +24,7 @@ import torch
 
 from ..models.load import load_model
 from ..models.quantize import weights_label
-from .common import make_cache, text_tokens, write_results
+from .common import COMPILED, make_cache, text_tokens, write_results
 from .decode import decode_step
 
 
@@ -49,13 +56,29 @@ class SyncCounter:
 MATMULS = {"aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm",
            "aten::mm", "aten::addmm"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::_softmax"}
+# the profiler's records of compiled code (torch 2.13), by name: what a compiled step runs besides aten ops
+GUARDS = "TorchDynamo Cache Lookup"
+WRAPPER = "## Call CompiledFxGraph"  # a prefix: the graph's hash follows
+KERNEL = "cpp_fused"  # inductor's C++ kernels, named graph_<i>_cpp_fused_<ops>
+
+
+def kind_of(name):
+    """Which part of a step's time a profiler record's self time is (None: not counted)."""
+    if name.startswith("aten::"):
+        return "matmul" if name in MATMULS else "attention" if name in ATTENTION else "rest"
+    if name == GUARDS:
+        return "guards"
+    if name.startswith(WRAPPER):
+        return "wrapper"
+    return "kernels" if KERNEL in name else None
 
 
 def count_ops(step, steps):
     """Run `step()` `steps` times under the profiler; returns (aten ops per step, host syncs per
-    step, Counter of op names, {"matmul", "attention", "rest"}: self milliseconds per step). Every
-    aten call counts, nested ones too (a matmul that calls a bmm is two), so the figure is what the
-    dispatcher runs, not what Python wrote."""
+    step, Counter of op names, {"matmul", "attention", "rest", "guards", "wrapper", "kernels"}: self
+    milliseconds per step, the last three compiled code's, see `kind_of`). Every aten call counts,
+    nested ones too (a matmul that calls a bmm is two), so the figure is what the dispatcher runs,
+    not what Python wrote."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
@@ -65,12 +88,21 @@ def count_ops(step, steps):
             step()
     names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
     syncs = names["aten::_local_scalar_dense"] + python_syncs.count
-    split = {"matmul": 0.0, "attention": 0.0, "rest": 0.0}
+    split = dict.fromkeys(("matmul", "attention", "rest", "guards", "wrapper", "kernels"), 0.0)
     for op in prof.key_averages():
-        if op.key.startswith("aten::"):
-            kind = "matmul" if op.key in MATMULS else "attention" if op.key in ATTENTION else "rest"
+        kind = kind_of(op.key)
+        if kind is not None:
             split[kind] += op.self_cpu_time_total / 1e3 / steps
     return sum(names.values()) / steps, syncs / steps, names, split
+
+
+def kernels_recorded(method):
+    """For a '+compiled' arm: inductor compiles its kernels with a profiler record each."""
+    if not method.endswith(COMPILED):
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
 
 
 def ms_per_step(step, steps):
@@ -99,8 +131,9 @@ def run(args):
                     token = decode(token, cache)
                     token.item()
 
-                for _ in range(2):  # warm-up: first-call paths and lazily built state
-                    step()
+                with kernels_recorded(method):  # warm-up: first-call paths, lazy state, a compile
+                    for _ in range(2):
+                        step()
                 ms = ms_per_step(step, args.steps)
                 ops, syncs, counts[quantization, method], split = count_ops(step, args.steps)
             rows.append({"quantization": quantization, "method": method, "ops_per_token": round(ops),
@@ -114,7 +147,10 @@ def run(args):
     meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
             "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights}
     columns = ["method", "ops_per_token", f"added_vs_{base['method']}", "syncs_per_token", "ms_per_token",
-               "profiled_ms_matmul", "profiled_ms_attention", "profiled_ms_rest", "most_added"]
+               "profiled_ms_matmul", "profiled_ms_attention", "profiled_ms_rest"]
+    if any(row["method"].endswith(COMPILED) for row in rows):
+        columns += ["profiled_ms_guards", "profiled_ms_wrapper", "profiled_ms_kernels"]
+    columns.append("most_added")
     if len(args.quantization) > 1:
         columns.insert(0, "quantization")
     write_results(args.out, "ops", rows, columns, meta)
