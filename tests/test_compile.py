@@ -36,7 +36,8 @@ GRAD_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 class Traced:
     """A backend that runs the graph as Dynamo traced it, noting the thread of each compile; with
-    `hold`, each compile waits until `go` is set (deadline WAIT_S)."""
+    `hold`, each compile waits until `go` is set (deadline WAIT_S); `fail`: True, every compile
+    raises, or the numbers of the compiles that raise (1 the first)."""
 
     def __init__(self, hold=False, fail=False):
         self.threads, self.go, self.entered, self.hold, self.fail = [], threading.Event(), threading.Event(), hold, fail
@@ -44,7 +45,7 @@ class Traced:
     def __call__(self, graph, example_inputs):
         self.threads.append(threading.current_thread().name)
         self.entered.set()
-        if self.fail:
+        if self.fail is True or len(self.threads) in (self.fail or ()):
             raise RuntimeError("no kernel for this op")
         if self.hold:
             assert self.go.wait(WAIT_S)
@@ -134,6 +135,46 @@ def test_stacked_rows_are_compiled_shape_by_shape_in_the_background():
     assert backend.threads == ["h2o-compile"] * 3 and len(compiler.ready) == 3
 
 
+def test_a_shape_that_fails_to_compile_stays_eager_and_the_others_run_compiled(caplog):
+    # the second shape's compile fails after the first's succeeded: that shape runs eagerly from
+    # then on (asked once, said once), the first keeps running compiled and a third still compiles
+    model = make_tiny_llama(torch.float32)
+    backend = Traced(fail={2})
+    compiler = StepCompiler(model, backend=backend)
+    decoder, eager = Decoder(model).switch_to(compiler.step()), Decoder(model)
+
+    def run(dec, a, b, t, shape):
+        token = torch.tensor([[(7 * t) % 128]])
+        if shape == "alone":
+            return dec.step(token, torch.tensor([a.get_seq_length()]), a)[0]
+        arena = Arena()
+        arena.join(a)
+        arena.join(b)
+        requests = [Request(a, token)] + ([] if shape == "one sits out" else [Request(b, (token + 3) % 128)])
+        logits = arena.step(dec, requests)[0]
+        arena.leave(b)
+        arena.leave(a)
+        return logits
+
+    kinds = {}
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="h2o_chat"):
+        mine, reference = (fed(model), fed(model)), (fed(model), fed(model))
+        t = 0
+        for shape in ("alone", "two stacked", "one sits out", "alone", "two stacked"):
+            assert torch.equal(run(decoder, *mine, t, shape), run(eager, *reference, t, shape)), (shape, t)
+            assert compiler.wait(WAIT_S)
+            for _ in range(3):
+                t += 1
+                assert torch.equal(run(decoder, *mine, t, shape), run(eager, *reference, t, shape)), (shape, t)
+                kinds.setdefault(shape, set()).add(decoder.compiled.kind)
+    assert kinds == {"alone": {"compiled"}, "two stacked": {"eager"}, "one sits out": {"compiled"}}
+    assert compiler.failed is None and len(compiler.ready) == 2 and len(compiler.failed_shapes) == 1
+    assert len(backend.threads) == 3  # the failed shape was not asked for again
+    lines = [r.getMessage() for r in caplog.records if r.name == "h2o_chat"]
+    assert lines == ["h2o-chat: one shape of the decode step stays eager (stacked, 2 rows): compiling it failed "
+                     "(RuntimeError: no kernel for this op)"]
+
+
 def test_a_session_switches_to_the_compiled_step_and_replies_as_an_off_session():
     # the session's first reply runs eagerly while its step is compiled; its second runs compiled
     # (the stats line says which); greedy replies are the same tokens as an `off` session's
@@ -219,7 +260,7 @@ def test_what_it_cannot_compile_stays_eager_with_one_log_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "h2o_chat"]
     assert len(lines) == 2, lines
     assert lines[0] == "h2o-chat: the decode step stays eager: the lean step cannot run this model (quantized linear layers)"
-    assert lines[1].startswith("h2o-chat: the decode step stays eager: compiling it failed (")
+    assert lines[1] == "h2o-chat: the decode step stays eager: compiling it failed (RuntimeError: no kernel for this op)"
     assert on.stats["step"] == "eager" and backend.threads == ["h2o-compile"]
 
 

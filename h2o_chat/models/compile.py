@@ -33,7 +33,8 @@ What runs where:
 - "auto" compiles on CUDA only, with CUDA graphs (mode="reduce-overhead"): on this project's CPU
   inductor's step ran at 0.89x the eager one (docs/engine.md), so a CPU stays eager and says so
   in one log line. "on" compiles on any device. A model the lean step cannot run
-  (Decoder.why_not), or a compile that fails, stays eager with one log line.
+  (Decoder.why_not), or whose first compile fails, stays eager with one log line; a shape that
+  fails after another compiled stays eager alone, also said once (`StepCompiler.fail`).
 
 On CUDA the buffers a step writes in place (the cache's slots, the decode step's and the norms'
 scratch) are marked static inputs (`torch._dynamo.mark_static_address`, unguarded), or CUDA graphs
@@ -209,6 +210,7 @@ class StepCompiler:
         self.asked = set()  # shapes asked for (read and written under _lock)
         self.compiles = []  # (shape, seconds) per compiled shape
         self.failed = None
+        self.failed_shapes = {}  # shape -> why its compile failed, after another shape's succeeded (`fail`)
         self.busy = False  # the compiler's thread is running (it runs while jobs are queued)
         self._lock = threading.Lock()  # guards asked, busy and _jobs
         self._jobs = collections.deque()
@@ -242,7 +244,7 @@ class StepCompiler:
                 replica = cache.replica()
             token_ids, positions = (copied(x) for x in (token_ids, positions))
         except Exception as e:  # never the user's step's failure: it runs eagerly
-            self.fail(e)
+            self.fail(e, shape)
             return
         # Decoder.step makes the decode steps' views (cache.begin) and the norms' scratch before it
         # enters inference_mode for the tensor work: the replica's are made as the user's were
@@ -264,12 +266,22 @@ class StepCompiler:
                 job = self._jobs.popleft()
             try:
                 self._compile(job)
-            except Exception as e:  # any model, dtype or device it cannot compile: eager, said once
-                self.fail(e)
+            except Exception as e:  # any model, dtype, device or shape it cannot compile: eager, said once
+                self.fail(e, job.shape)
 
-    def fail(self, error):
+    def fail(self, error, shape):
+        """A compile of `shape` failed. Before any shape has compiled, that is taken to be about the
+        model, dtype or device (no compiler, an op inductor cannot lower): every step stays eager,
+        and nothing is compiled again. After one has, it is about the shape: that shape stays eager
+        (it is never asked for again) and the compiled ones keep running."""
+        error = getattr(error, "inner_exception", None) or error  # Dynamo's wrapper says only "backend raised"
         first_line = str(error).splitlines()[0] if str(error) else ""
-        self.failed = f"compiling it failed ({type(error).__name__}: {first_line})"
+        why = f"compiling it failed ({type(error).__name__}: {first_line})"
+        if self.ready:
+            self.failed_shapes[shape] = why
+            say_once(self.model, f"h2o-chat: one shape of the decode step stays eager ({describe(shape)}): {why}")
+            return
+        self.failed = why
         say_once(self.model, f"h2o-chat: the decode step stays eager: {self.failed}")
 
     def _compile(self, job):
@@ -318,6 +330,12 @@ class CompiledStep:
         if self.ran_compiled:
             return "compiled"
         return "compiling" if self.compiler.busy else "eager"
+
+
+def describe(shape):
+    """StepCompiler.run's shape key in words, for a log line: the cache's kind and the rows."""
+    cache_shape, rows = shape[0], shape[1]
+    return f"{cache_shape[0]}, {rows} row{'s' if rows != 1 else ''}"
 
 
 def copied(x):
