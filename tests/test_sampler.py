@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from h2o_chat.chat.conversation import Sampling
-from h2o_chat.chat.sampler import Sampler
+from h2o_chat.chat.sampler import NUCLEUS_CANDIDATES, Sampler, nucleus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,6 +75,37 @@ def test_top_k_and_top_p_never_draw_outside_their_set():
     order = probs.argsort(descending=True)
     nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
     assert {int(make(temperature=1.0, top_p=0.5, seed=s).sample(logits)) for s in range(300)} == nucleus
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])  # flat (the whole vocabulary sorted) to peaked (the candidates)
+def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(scale):
+    # the nucleus from the likeliest candidates equals the one from a full sort, bit for bit, on a
+    # real vocabulary's size, whichever way it is found
+    def sorted_whole(probs, top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0))
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    found_among_candidates = 0
+    for rows in (1, 3):
+        for _ in range(12):
+            probs = torch.softmax(torch.randn(rows, 49152, generator=g) * scale, -1)
+            for top_p in (0.5, 0.9, 0.999):
+                assert torch.equal(nucleus(probs, top_p), sorted_whole(probs, top_p))
+                found_among_candidates += int((nucleus(probs, top_p) > 0).sum(-1).max()) < NUCLEUS_CANDIDATES
+    assert found_among_candidates > 0 if scale >= 3 else found_among_candidates == 0  # both ways were taken
+
+
+def test_top_p_with_ties_at_its_edge_keeps_as_many_tokens_of_the_same_probabilities():
+    # a bf16 model's probabilities tie often (4% of the embedded model's draws, at the nucleus's
+    # edge); which of the tied tokens stays is the sort's choice, there and in a full sort alike
+    probs = torch.zeros(1, 49152)
+    probs[0, [5, 900, 17, 30000, 44]] = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0])  # 17 and 30000 tie at 0.9
+    kept = nucleus(probs, 0.85)
+    assert int((kept > 0).sum()) == 3 and kept[0, 5] == 0.5 and kept[0, 900] == 0.3
+    assert kept[0, [17, 30000]].sort().values.tolist() == [0.0, pytest.approx(0.1)]
 
 
 @pytest.mark.parametrize("penalty", [1.5, 3.0])

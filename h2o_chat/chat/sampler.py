@@ -130,11 +130,28 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
 
 
+NUCLEUS_CANDIDATES = 256  # tokens `nucleus` sorts first: a nucleus of top_p 0.9 rarely holds more
+
+
 def nucleus(probs, top_p):
-    """The likeliest tokens whose probabilities reach top_p (at least one), the rest zeroed."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0))
+    """probs [rows, vocab] -> the likeliest tokens whose probabilities reach top_p (at least one),
+    the rest zeroed.
+
+    Why not one sort: sorting a 49,152-token vocabulary takes ~3.6 ms on a CPU, a fifth of a
+    decode step. The nucleus is a prefix of the sorted tokens, so the NUCLEUS_CANDIDATES likeliest
+    (topk, ~0.2 ms) decide it whenever it ends among them: the same prefix sums in the same order,
+    the same tokens kept (a tie at its edge may keep another of the tied tokens, as any sort may).
+    Otherwise, a flat distribution, the whole vocabulary is sorted. One host sync to tell."""
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)  # sorted, likeliest first
+    outside = top.cumsum(-1) - top > top_p
+    # every later token lies outside too when the last candidate does (its prefix sum only grows;
+    # the margin absorbs the rounding of `cumsum - p`, and anything that close is sorted whole)
+    closes = (top.cumsum(-1)[:, -1] - top[:, -1] > top_p + 1e-6).all()
+    if k < probs.shape[-1] and not bool(closes):
+        top, order = probs.sort(dim=-1, descending=True)
+        outside = top.cumsum(-1) - top > top_p
+    return torch.zeros_like(probs).scatter_(-1, order, top.masked_fill(outside, 0))
 
 
 def typical(probs, mass):
