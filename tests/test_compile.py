@@ -64,6 +64,22 @@ def step(decoder, cache, t):
     return decoder.step(token, torch.tensor([cache.get_seq_length()]), cache)
 
 
+def step_as(decoder, a, b, t, shape):
+    """One step of conversation `a` by `decoder`: "alone", "two stacked" (with `b`, in an arena),
+    or "one sits out" (b stacked, not stepping); a's logits."""
+    token = torch.tensor([[(7 * t) % 128]])
+    if shape == "alone":
+        return decoder.step(token, torch.tensor([a.get_seq_length()]), a)[0]
+    arena = Arena()
+    arena.join(a)
+    arena.join(b)
+    requests = [Request(a, token)] + ([] if shape == "one sits out" else [Request(b, (token + 3) % 128)])
+    logits = arena.step(decoder, requests)[0]
+    arena.leave(b)
+    arena.leave(a)
+    return logits
+
+
 @pytest.mark.parametrize("fed_in,stepped_in", [("no_grad", "no_grad"), ("inference_mode", "inference_mode"),
                                                ("no_grad", "inference_mode")])
 def test_the_step_is_compiled_off_the_users_thread_and_switched_to_when_ready(fed_in, stepped_in):
@@ -107,26 +123,13 @@ def test_stacked_rows_are_compiled_shape_by_shape_in_the_background():
     compiler = StepCompiler(model, backend=backend)
     decoder, eager = Decoder(model).switch_to(compiler.step()), Decoder(model)
 
-    def run(dec, a, b, t, shape):
-        token = torch.tensor([[(7 * t) % 128]])
-        if shape == "alone":
-            return dec.step(token, torch.tensor([a.get_seq_length()]), a)[0]
-        arena = Arena()
-        arena.join(a)
-        arena.join(b)
-        requests = [Request(a, token)] + ([] if shape == "one sits out" else [Request(b, (token + 3) % 128)])
-        logits = arena.step(dec, requests)[0]
-        arena.leave(b)
-        arena.leave(a)
-        return logits
-
     with torch.no_grad():
         mine, reference = (fed(model), fed(model)), (fed(model), fed(model))
         t = 0
         for shape in ("alone", "two stacked", "one sits out"):
             for rounds in ("asks", "compiled"):
                 for _ in range(5):
-                    assert torch.equal(run(decoder, *mine, t, shape), run(eager, *reference, t, shape)), (shape, t)
+                    assert torch.equal(step_as(decoder, *mine, t, shape), step_as(eager, *reference, t, shape)), (shape, t)
                     assert decoder.compiled.kind == ("compiled" if rounds == "compiled" else "compiling"), (shape, t)
                     t += 1
                 backend.go.set()
@@ -143,29 +146,16 @@ def test_a_shape_that_fails_to_compile_stays_eager_and_the_others_run_compiled(c
     compiler = StepCompiler(model, backend=backend)
     decoder, eager = Decoder(model).switch_to(compiler.step()), Decoder(model)
 
-    def run(dec, a, b, t, shape):
-        token = torch.tensor([[(7 * t) % 128]])
-        if shape == "alone":
-            return dec.step(token, torch.tensor([a.get_seq_length()]), a)[0]
-        arena = Arena()
-        arena.join(a)
-        arena.join(b)
-        requests = [Request(a, token)] + ([] if shape == "one sits out" else [Request(b, (token + 3) % 128)])
-        logits = arena.step(dec, requests)[0]
-        arena.leave(b)
-        arena.leave(a)
-        return logits
-
     kinds = {}
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="h2o_chat"):
         mine, reference = (fed(model), fed(model)), (fed(model), fed(model))
         t = 0
         for shape in ("alone", "two stacked", "one sits out", "alone", "two stacked"):
-            assert torch.equal(run(decoder, *mine, t, shape), run(eager, *reference, t, shape)), (shape, t)
+            assert torch.equal(step_as(decoder, *mine, t, shape), step_as(eager, *reference, t, shape)), (shape, t)
             assert compiler.wait(WAIT_S)
             for _ in range(3):
                 t += 1
-                assert torch.equal(run(decoder, *mine, t, shape), run(eager, *reference, t, shape)), (shape, t)
+                assert torch.equal(step_as(decoder, *mine, t, shape), step_as(eager, *reference, t, shape)), (shape, t)
                 kinds.setdefault(shape, set()).add(decoder.compiled.kind)
     assert kinds == {"alone": {"compiled"}, "two stacked": {"eager"}, "one sits out": {"compiled"}}
     assert compiler.failed is None and len(compiler.ready) == 2 and len(compiler.failed_shapes) == 1
