@@ -144,14 +144,13 @@ def nucleus(probs, top_p):
     Otherwise, a flat distribution, the whole vocabulary is sorted. One host sync to tell."""
     k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     top, order = probs.topk(k, dim=-1)  # sorted, likeliest first
-    outside = top.cumsum(-1) - top > top_p
+    before = top.cumsum(-1) - top  # each token's prefix sum before it
     # every later token lies outside too when the last candidate does (its prefix sum only grows;
     # the margin absorbs the rounding of `cumsum - p`, and anything that close is sorted whole)
-    closes = (top.cumsum(-1)[:, -1] - top[:, -1] > top_p + 1e-6).all()
-    if k < probs.shape[-1] and not bool(closes):
+    if k < probs.shape[-1] and not bool((before[:, -1] > top_p + 1e-6).all()):
         top, order = probs.sort(dim=-1, descending=True)
-        outside = top.cumsum(-1) - top > top_p
-    return torch.zeros_like(probs).scatter_(-1, order, top.masked_fill(outside, 0))
+        before = top.cumsum(-1) - top
+    return torch.zeros_like(probs).scatter_(-1, order, top.masked_fill(before > top_p, 0))
 
 
 def typical(probs, mass):
