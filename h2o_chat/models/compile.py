@@ -194,7 +194,8 @@ class StepCompiler:
     """One model's decode step (`Decoder.layers_step`) compiled in a thread of its own, shape by
     shape, as steps ask for them (see the module's notes). busy: its thread is compiling; ready:
     the shapes compiled; compiles: (shape, seconds) each; failed: None, or why it stopped (the
-    sentence logged: every step is eager from then on)."""
+    sentence logged: every step is eager from then on). A shape asked for and not ready once the
+    thread is idle failed on its own and stays eager (`fail`)."""
 
     def __init__(self, model, data_dir=None, **options):
         self.model, self.decoder = model, Decoder(model)
@@ -210,7 +211,6 @@ class StepCompiler:
         self.asked = set()  # shapes asked for (read and written under _lock)
         self.compiles = []  # (shape, seconds) per compiled shape
         self.failed = None
-        self.failed_shapes = {}  # shape -> why its compile failed, after another shape's succeeded (`fail`)
         self.busy = False  # the compiler's thread is running (it runs while jobs are queued)
         self._lock = threading.Lock()  # guards asked, busy and _jobs
         self._jobs = collections.deque()
@@ -278,7 +278,6 @@ class StepCompiler:
         first_line = str(error).splitlines()[0] if str(error) else ""
         why = f"compiling it failed ({type(error).__name__}: {first_line})"
         if self.ready:
-            self.failed_shapes[shape] = why
             say_once(self.model, f"h2o-chat: one shape of the decode step stays eager ({describe(shape)}): {why}")
             return
         self.failed = why
