@@ -393,7 +393,7 @@ def test_eviction_ties_keep_the_newer_token():
     priority = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0]]])
     protected = ids == 0
     from h2o_chat.cache.policy import protection_key, select_keep
-    from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, SCORE, DecodeStep, StepRows, attend_and_replace
+    from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, SCORE, DecodeStep, Eviction, StepRows, step_layer
 
     assert select_keep(ids, priority, protected, 4).tolist() == [[[0, 2, 4, 1]]]  # tokens 0, 3, 4, 5
     # the decode step, the same slots plus token 6 in the spare slot: a query of zeros adds the same
@@ -403,12 +403,13 @@ def test_eviction_ties_keep_the_newer_token():
     meta[KEY, :, :, :6] = protection_key(ids.int(), n_sink=1)
     acc[SCORE, :, :, :6] = priority
     query = torch.zeros(1, 1, 1, 4)
-    step = DecodeStep.over(kv, meta, acc, None, group=1, dtype=query.dtype, scaling=1.0)
+    step = DecodeStep.over(kv, acc, None, group=1, dtype=query.dtype, scaling=1.0)
+    eviction = Eviction.over(kv[None], meta[None], acc[None], None)
     # token 6 (n_seen 7 after it), one recent token: the new one
     rows = StepRows.make([6], [False], [True], kv_heads=1, group=1, n_recent=1, decay=1.0, meta_dtype=torch.int32,
                          acc_dtype=torch.float32, device="cpu")
-    step.write_spare(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), rows)
-    attend_and_replace(step, query, CacheConfig(policy="h2o", budget=6, n_sink=1, n_recent=1), rows)
+    step_layer(0, [step], [eviction], torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4), query,
+               CacheConfig(policy="h2o", budget=6, n_sink=1, n_recent=1), rows)
     assert meta[IDS, 0, 0, :6].tolist() == [0, 5, 3, 6, 4, 2]
     assert kv[0, 0, 0, 3].tolist() == [1.0] * 4
 
@@ -422,6 +423,7 @@ def test_a_full_layer_decodes_without_host_syncs_or_new_buffers(dtype, kv_quant)
     model = make_tiny_llama(dtype)
     cache = H2OCache(model, policy="h2o", budget=16, n_sink=2, n_recent=4, positions="rolling", kv_quant=kv_quant)
     token = model(torch.randint(0, 128, (1, 30)), cache=cache).logits[:, -1:].argmax(-1)
+    token = model(token, cache=cache).logits[:, -1:].argmax(-1)  # the first step stacks the layers' buffers, once
     buffers = [(layer.kv.data_ptr(), layer.meta.data_ptr(), layer.acc.data_ptr(), layer.kv.shape) for layer in cache.layers]
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(40):  # past a re-lay of the positions (every 2 x budget tokens)
@@ -445,6 +447,7 @@ def test_snapshot_restores_into_the_same_buffers(tiny_llama64):
         return torch.stack(logits)
 
     model(torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(10)), cache=cache)
+    decode(torch.tensor([[1]]), 1)  # the first decode step stacks the layers' buffers (H2OCache.stack_layers), once
     snap, ids = cache.snapshot(), [cache.token_ids(i) for i in range(2)]
     pointer = cache.layers[0].kv.data_ptr()
     first = decode(torch.tensor([[3]]), 20)

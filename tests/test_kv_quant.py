@@ -16,7 +16,7 @@ from h2o_chat import CacheConfig, H2OCache
 from h2o_chat.bench.common import SHAKESPEARE
 from h2o_chat.cache import kv_int8
 from h2o_chat.cache.kv_int8 import dequantize, quantize
-from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, DecodeStep, StepRows
+from h2o_chat.cache.step import IDS, KEY, N_ACC, N_META, DecodeStep, Eviction, StepRows
 from h2o_chat.chat.conversation import cache_config
 from h2o_chat.chat.saved_kv import config_text, tag
 from h2o_chat.chat.session import ChatSession
@@ -62,11 +62,13 @@ def test_the_decode_step_quantizes_the_new_token_as_quantize_does(dtype):
     meta, acc_buf = torch.zeros(N_META, b, h, cap, dtype=torch.int32), torch.zeros(N_ACC, b, h, cap)
     qp = torch.zeros(kv_int8.N_ROWS, b, h, cap, dtype=kv_int8.QP_DTYPE)
     wide = kv_int8.WideScratch().for_slots(kv, acc)
-    step = DecodeStep.over(kv, meta, acc_buf, qp, 2, dtype, 1.0, wide)
+    step = DecodeStep.over(kv, acc_buf, qp, 2, dtype, 1.0, wide)
     g = torch.Generator().manual_seed(2)
     keys, values = (torch.randn(b, h, 1, d, generator=g).to(dtype) * 4 for _ in range(2))
-    step.write_spare(keys, values, StepRows.make([7] * b, [False] * b, [True] * b, h, 2, n_recent=1, decay=1.0,
-                                                 meta_dtype=torch.int32, acc_dtype=acc, device="cpu"))
+    step.write_spare(keys, values)
+    Eviction.over(kv[None], meta[None], acc_buf[None], qp[None]).prepare(
+        StepRows.make([7] * b, [False] * b, [True] * b, h, 2, n_recent=1, decay=1.0, meta_dtype=torch.int32,
+                      acc_dtype=acc, device="cpu"), CacheConfig())
     codes, scale, zero = quantize(torch.stack((keys, values)), acc)
     assert torch.equal(kv[:, :, :, -1:], codes)
     assert torch.equal(qp[kv_int8.SCALES, :, :, -1:], scale) and torch.equal(qp[kv_int8.ZEROS, :, :, -1:], zero)

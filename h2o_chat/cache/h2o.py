@@ -22,9 +22,11 @@ layer l only depends on earlier tokens at layer l-1), yet a plain `model.generat
 `model(ids)` gets it for free, and no [heads, n, n] matrix of a long prompt is ever built.
 
 The decode step is the hot path. A bounded layer's buffers are allocated once with budget + 1
-slots and never change size; one token is step.attend_and_replace over views made once, from the
-first token after the layer's first input (while it fills, its free slots are masked). Positions re-roll on a schedule the host knows (every head's span grows by at most one a
-step), never on a value read from the device.
+slots and never change size; one token is, per layer, step.attend over views made once, and
+then one step.evict for every layer at once (the layers' buffers are views of one stacked buffer
+each, `H2OCache.stack_layers`), from the first token after the layer's first input (while it fills,
+its free slots are masked). Positions re-roll on a schedule the host knows (every head's span
+grows by at most one a step), never on a value read from the device.
 """
 
 import copy
@@ -59,9 +61,10 @@ from .step import (
     QUERIES,
     SCORE,
     DecodeStep,
+    Eviction,
     StepRows,
-    attend_and_replace,
     score_dtype,
+    step_layer,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -154,6 +157,9 @@ class H2OLayer(CacheLayerMixin):
         self.pins_seen = None  # the pins the protection keys were computed for
         self.roll_floor = 0  # no key sits at a position below this (rolling positions)
         self.step = None  # the decode step's views and scratch buffers, made at its first run
+        # the Eviction its decode step uses: one shared by every layer of its cache, whose buffers
+        # are views of one stacked buffer each (H2OCache.stack_layers), or its own
+        self.eviction = None
         self._live = None
 
     @property
@@ -312,7 +318,8 @@ class H2OLayer(CacheLayerMixin):
     def set_buffers(self, kv, meta, acc, qp, n_slots):
         """Hold these buffers (chat/batch.py hands a layer views of a shared arena's row, and back);
         qp is None but for int8 slots."""
-        self.kv, self.meta, self.acc, self.qp, self.n_slots, self.step = kv, meta, acc, qp, n_slots, None
+        self.kv, self.meta, self.acc, self.qp, self.n_slots = kv, meta, acc, qp, n_slots
+        self.step = self.eviction = None
         self.is_initialized = kv is not None
         self._forget_views()
 
@@ -403,22 +410,18 @@ class H2OLayer(CacheLayerMixin):
             self.maybe_roll(limits)
         return out
 
-    def make_step(self, group, dtype, scaling):
+    def make_step(self, group, dtype, scaling, alone):
         """The decode step's views and scratch over this layer's buffers, made once (the host's part:
-        a compiled step never sees one made), for queries of `group` heads per KV head in `dtype`."""
+        a compiled step never sees one made), for queries of `group` heads per KV head in `dtype`;
+        `alone`: with an Eviction of its own (else the cache's layers share one, `stack_layers`)."""
         if self.step is None:
             wide = self.wide.for_slots(self.kv, self.acc.dtype)
-            self.step = DecodeStep.over(self.kv, self.meta, self.acc, self.qp, group, dtype, scaling, wide)
-
-    def decode(self, keys, values, query, rows: StepRows):
-        """The hot path: one new token ([batch, kv_heads, 1, head_dim]) into a full layer, the host's
-        part prepared (`make_step`, `rows`: H2OCache.begin, or a batch's). Tensor work only: `advance`
-        counts the token afterwards. Returns [batch, 1, q_heads, head_dim]."""
-        self.step.write_spare(keys, values, rows)
-        return attend_and_replace(self.step, query, self.config, rows)
+            self.step = DecodeStep.over(self.kv, self.acc, self.qp, group, dtype, scaling, wide)
+        if alone and (self.eviction is None or self.eviction.layers > 1):
+            self.eviction = Eviction.over(*(None if b is None else b[None] for b in self.buffers))
 
     def advance(self, limits):
-        """After a decode step (`decode`, alone or in a batch) wrote one token into the slots: count it
+        """After a decode step (step.step_layer, alone or in a batch) wrote one token into the slots: count it
         (a free slot was filled while below the budget) and re-lay positions if due."""
         self.n_seen += 1
         if self.n_slots < limits.budget:
@@ -551,6 +554,7 @@ class H2OCache(Cache):
         self.dtype = model.dtype
         self._unattended = None  # the layer whose update() has not been followed by its attend() yet
         self._rows = None  # [layers] StepRows while a decode step of full layers runs (begin to end)
+        self._evictions = None  # and its Evictions: [one over every layer], or one per layer
         self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
         super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions, self.wide)
                                  for _ in range(n_layers)])
@@ -740,7 +744,7 @@ class H2OCache(Cache):
         self._unattended = None
         rows = self._rows and self._rows[layer_idx]
         if rows is not None:
-            return self.layers[layer_idx].decode(keys, values, query, rows)
+            return step_layer(layer_idx, self.decode_steps(), self._evictions, keys, values, query, self.config, rows)
         return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits.layer(layer_idx), self.pins)
 
     def end(self):
@@ -765,11 +769,16 @@ class H2OCache(Cache):
         first, c = self.layers[0], self.config
         return ("alone", c.policy, c.score, c.decay, c.kv_quant, tuple(layer.kv.shape for layer in self.layers),
                 first.kv.dtype, first.acc.dtype, first.meta.dtype,  # acc's and meta's shapes follow from kv's
-                tuple(rows.empty is None for rows in self._rows))  # filling layers mask their free slots
+                tuple(rows.empty is None for rows in self._rows),  # filling layers mask their free slots
+                len(self._evictions))  # one for every layer (stacked), or one each
 
     def decode_steps(self):
         """During a static step: each layer's DecodeStep (the buffers it writes in place)."""
         return [layer.step for layer in self.layers]
+
+    def evictions(self):
+        """During a static step: its Evictions (step.step_layer), whose scratch it writes in place too."""
+        return self._evictions
 
     def replica(self):
         """A cache with these settings, pins and limits and a copy of this one's state in buffers of
@@ -778,7 +787,7 @@ class H2OCache(Cache):
         twin = copy.copy(self)
         twin.wide = WideScratch()
         twin.layers = [H2OLayer(self.config, layer.inv_freq, self.max_positions, twin.wide) for layer in self.layers]
-        twin._rows = twin._unattended = None
+        twin._rows = twin._unattended = twin._evictions = None
         twin.restore(self.snapshot())
         return twin
 
@@ -822,7 +831,6 @@ class H2OCache(Cache):
             if not takes_step:
                 per_layer.append(None)
                 continue
-            layer.make_step(self.group, self.dtype, self.scaling)
             budget = lim.layer(i).budget
             if layer.n_slots < budget:  # free slots [n_slots, budget): one mask for layers alike
                 key = (layer.n_slots, budget)
@@ -832,7 +840,35 @@ class H2OCache(Cache):
                 per_layer.append(masks[key])
             else:
                 per_layer.append(rows)
+        together = self.evicts_together(per_layer)
+        if together:
+            self.stack_layers()
+        for layer, takes_step in zip(self.layers, static):
+            if takes_step:
+                layer.make_step(self.group, self.dtype, self.scaling, alone=not together)
+        self._evictions = [self.layers[0].eviction] if together else [layer.eviction for layer in self.layers]
         return per_layer
+
+    def evicts_together(self, per_layer):
+        """Every layer steps alike (the same rows, the same capacity: a uniform budget), so one
+        Eviction serves them all; otherwise (a pyramid, layers on the general path) each has its own."""
+        return all(r is per_layer[0] for r in per_layer) and len({layer.capacity for layer in self.layers}) == 1
+
+    def stack_layers(self):
+        """Make the layers' buffers views of one stacked buffer of each kind ([layers, ...]) and give
+        them one Eviction over all of them, unless they have it already: a copy of the slots, once
+        after a layer's buffers were made or replaced (its first input, a restore of another size,
+        a batch joined or left; `H2OLayer.set_buffers` drops the layer's Eviction, so nothing holds
+        the old stack once every layer has let go of it)."""
+        shared = self.layers[0].eviction
+        if shared is not None and shared.layers == len(self.layers) and all(l.eviction is shared for l in self.layers):
+            return
+        buffers = zip(*(layer.buffers for layer in self.layers))  # per kind: every layer's
+        stack = tuple(None if parts[0] is None else torch.stack(parts) for parts in buffers)
+        shared = Eviction.over(*stack)
+        for i, layer in enumerate(self.layers):
+            layer.set_buffers(*(None if b is None else b[i] for b in stack), layer.n_slots)
+            layer.eviction = shared
 
     def steps_static(self):
         """[layers] bools: the layer takes the decode step of static shapes, full or filling: its

@@ -8,6 +8,12 @@ Packed buffers per layer, so the fields that move together move in one copy:
           attention mass each slot received and the queries that could see it
     qp    [4, batch, kv_heads, capacity]            int8 slots only (CacheConfig.kv_quant): their
           scales and zero points, float16 (kv_int8.py); None for slots at the model's width
+A cache whose layers all have one capacity holds each kind as one buffer [layers, ...] and its
+layers' buffers are views of it, so the eviction runs once a token for every layer (`Eviction`).
+
+A decode step, per layer i (`step_layer`): the new key and value into the spare slot, `attend`
+(every slot, the scores), and after the last layer `evict` (one victim per layer, row and head,
+the spare moved into it).
 """
 
 import functools
@@ -93,85 +99,39 @@ def every_row_steps(b, h, group, decay, acc_dtype, device):
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """Views over a full layer's whole buffers and the step's scratch buffers, made once (`over`).
-    b rows, h KV heads, g query heads per KV head, cap = budget + 1 slots, d head_dim; acc is the
-    score dtype."""
+    """A full layer's attention for one new token: views over its buffers and the scratch the
+    attention writes, made once (`over`). b rows, h KV heads, g query heads per KV head, cap =
+    budget + 1 slots, d head_dim; acc is the score dtype. What the token then evicts is an
+    `Eviction`'s, over this layer alone or over every layer of its cache at once."""
 
     group: int
     spare_k: torch.Tensor  # [b, h, 1, d]  views of the spare slot
     spare_v: torch.Tensor
-    spare_kv: torch.Tensor  # [2, b, h, 1, d]
-    spare_meta: torch.Tensor  # [N_META, b, h, 1]
-    spare_acc4: torch.Tensor  # [N_ACC, b, h, 1]
-    spare_ints: torch.Tensor  # [3, b, h]: the spare's id, position and protection key
-    spare_key: torch.Tensor  # [b, h]
-    spare_acc: torch.Tensor  # [N_ACC, b, h]: its score and query count
     keys_t: torch.Tensor  # [b*h, d, cap] (float slots: int8 ones are read through `int8`)
     values: torch.Tensor  # [b*h, cap, d]
-    ids: torch.Tensor  # [b, h, cap]
-    key: torch.Tensor  # [b, h, cap]
-    scores: torch.Tensor  # [b, h, cap] acc
-    queries: torch.Tensor  # [b, h, cap] acc
-    scores3: torch.Tensor  # [b*h, 1, cap] acc
-    scale: torch.Tensor  # 0-d tensors, so no op makes one from a Python number
-    inf: torch.Tensor
-    id_max: torch.Tensor
-    spare_index: torch.Tensor
+    scores3: torch.Tensor  # [b*h, 1, cap] acc: a view of the layer's scores
+    scale: torch.Tensor  # 0-d, so no op makes one from a Python number
     logits: torch.Tensor | None  # [b*h, g, cap] model dtype (None for int8 slots: `int8` has its own)
     logits_acc: torch.Tensor | None  # [b*h, g, cap] acc, for a model whose dtype is not acc
     probs: torch.Tensor  # [b*h, g, cap] acc
     probs_low: torch.Tensor | None  # [b*h, g, cap] model dtype
     out: torch.Tensor  # [b*h, g, d]
-    protected: torch.Tensor  # [b, h, cap] bool
-    rank: torch.Tensor  # [b, h, cap] acc
-    lowest: torch.Tensor  # [b, h, 1] acc
-    is_lowest: torch.Tensor  # [b, h, cap] bool
-    tiebreak: torch.Tensor  # [b, h, cap] meta's dtype
-    victim: torch.Tensor  # [b, h, 1] long
-    stage_kv: torch.Tensor  # [2, b, h, 1, d]: the spare, copied out (a source may not alias its target)
-    stage_meta: torch.Tensor  # [N_META, b, h, 1]
-    stage_acc: torch.Tensor  # [N_ACC, b, h, 1]
-    stage_kv_flat: torch.Tensor  # [2, b*h, d]: views of the two above, as index_copy_ reads them
-    stage_meta_flat: torch.Tensor  # [N_META, b*h]
-    stage_acc_flat: torch.Tensor  # [N_ACC, b*h]
-    kv_flat: torch.Tensor  # [2, b*h*cap, d]: every (row, head)'s slots laid end to end
-    meta_flat: torch.Tensor  # [N_META, b*h*cap]
-    acc_flat: torch.Tensor  # [N_ACC, b*h*cap]
-    slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start in the flat views
-    victim_rows: torch.Tensor  # [b*h]: a view of victim
-    flat_victim: torch.Tensor  # [b*h]
     out4: torch.Tensor  # [b, 1, q_heads, d]: a view of out, what attend returns
     int8: kv_int8.Int8Step | None  # int8 slots: their views and scratch (None otherwise)
-    spare_qp: torch.Tensor | None  # [N_ROWS, b, h, 1] int8 slots: the spare's scales and zero points
-    stage_qp: torch.Tensor | None  # [N_ROWS, b, h, 1]
-    stage_qp_flat: torch.Tensor | None  # [N_ROWS, b*h]
-    qp_flat: torch.Tensor | None  # [N_ROWS, b*h*cap]
 
     @classmethod
-    def over(cls, kv, meta, acc_buf, qp, group, dtype, scaling, wide=None):
-        """kv [2, b, h, cap, d], meta [N_META, b, h, cap], acc_buf [N_ACC, b, h, cap], qp (int8 slots)
-        [N_ROWS, b, h, cap] or None; queries of `group` heads per KV head in `dtype`; for int8 slots,
-        wide [b*h, cap, d] in acc's dtype (a kv_int8.WideScratch's)."""
+    def over(cls, kv, acc_buf, qp, group, dtype, scaling, wide=None):
+        """kv [2, b, h, cap, d], acc_buf [N_ACC, b, h, cap], qp (int8 slots) [N_ROWS, b, h, cap] or
+        None; queries of `group` heads per KV head in `dtype`; for int8 slots, wide [b*h, cap, d] in
+        acc's dtype (a kv_int8.WideScratch's)."""
         _, b, h, cap, d = kv.shape
         spare, acc, dev, low = cap - 1, acc_buf.dtype, kv.device, dtype
-        out, victim = torch.empty(b * h, group, d, dtype=low, device=dev), torch.empty(b, h, 1, dtype=torch.long, device=dev)
-        stage_kv, stage_meta = kv.new_empty(2, b, h, 1, d), meta.new_empty(N_META, b, h, 1)
-        stage_acc = acc_buf.new_empty(acc_buf.shape[0], b, h, 1)
-        stage_qp = None if qp is None else qp.new_empty(qp.shape[0], b, h, 1)
+        out = torch.empty(b * h, group, d, dtype=low, device=dev)
         float_slots = kv.dtype != kv_int8.CODES  # int8 slots attend through their own buffers (kv_int8.Int8Step)
         return cls(
-            group=group,
-            spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
-            spare_kv=kv[:, :, :, spare:], spare_meta=meta[..., spare:], spare_acc4=acc_buf[..., spare:],
-            spare_ints=meta[:, :, :, spare], spare_key=meta[KEY, :, :, spare],
-            spare_acc=acc_buf[:N_ACC, :, :, spare],
+            group=group, spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
-            int8=None if float_slots else kv_int8.Int8Step.over(kv, qp, group, dtype, wide),
-            ids=meta[IDS], key=meta[KEY], scores=acc_buf[SCORE], queries=acc_buf[QUERIES],
-            scores3=acc_buf[SCORE].view(b * h, 1, cap),
-            scale=torch.tensor(scaling, dtype=acc, device=dev), inf=torch.tensor(torch.inf, dtype=acc, device=dev),
-            id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
-            spare_index=torch.tensor(spare, device=dev),
+            scores3=acc_buf[SCORE].view(b * h, 1, cap), scale=torch.tensor(scaling, dtype=acc, device=dev),
             logits=torch.empty(b * h, group, cap, dtype=low, device=dev) if float_slots else None,
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
@@ -179,41 +139,23 @@ class DecodeStep:
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
             probs_low=torch.empty(b * h, group, cap, dtype=low, device=dev) if acc != low and float_slots else None,
             out=out, out4=out.view(b, 1, group * h, d),
-            protected=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
-            rank=torch.empty(b, h, cap, dtype=acc, device=dev), lowest=torch.empty(b, h, 1, dtype=acc, device=dev),
-            is_lowest=torch.empty(b, h, cap, dtype=torch.bool, device=dev),
-            tiebreak=torch.empty(b, h, cap, dtype=meta.dtype, device=dev),
-            victim=victim, victim_rows=victim.view(b * h),
-            stage_kv=stage_kv, stage_meta=stage_meta, stage_acc=stage_acc,
-            stage_kv_flat=stage_kv.view(2, b * h, d), stage_meta_flat=stage_meta.view(N_META, b * h),
-            stage_acc_flat=stage_acc.view(-1, b * h),
-            spare_qp=None if qp is None else qp[..., spare:], stage_qp=stage_qp,
-            stage_qp_flat=None if qp is None else stage_qp.view(-1, b * h),
-            qp_flat=None if qp is None else qp.view(-1, b * h * cap),
-            # the victims as indices into the slots of every (row, head) laid end to end: one
-            # index_copy_ moves the spare (a bf16 scatter_ along the slot dim is ~10x slower on CPU)
-            kv_flat=kv.view(2, b * h * cap, d), meta_flat=meta.view(N_META, b * h * cap),
-            acc_flat=acc_buf.view(-1, b * h * cap),
-            slot_base=torch.arange(0, b * h * cap, cap, device=dev),
-            flat_victim=torch.empty(b * h, dtype=torch.long, device=dev),
+            int8=None if float_slots else kv_int8.Int8Step.over(kv, qp, group, dtype, wide),
         )
 
-    def write_spare(self, keys, values, rows: StepRows):
-        """The new tokens [b, h, 1, d] into the spare slot: id, RoPE position and protection key
-        from `rows`, score and query count zero; int8 slots quantized."""
+    def write_spare(self, keys, values):
+        """The new keys and values [b, h, 1, d] into the spare slot (int8 slots: quantized). Its id,
+        position, protection key and zero score are the Eviction's to write (`Eviction.prepare`)."""
         if self.int8 is None:
             self.spare_k.copy_(keys)
             self.spare_v.copy_(values)
         else:
             self.int8.write(keys, values)
-        self.spare_ints.copy_(rows.ints)
-        self.spare_acc.fill_(0)
 
 
-def attend_and_replace(s: DecodeStep, query, config, rows: StepRows):
-    """The decode step once the new token sits in the spare slot (`write_spare`): attend over every
-    slot, add the mass to the scores, pick one victim per row and head and move the spare into it.
-    query [b, q_heads, 1, d] -> [b, 1, q_heads, d]."""
+def attend(s: DecodeStep, query, rows: StepRows):
+    """One layer's attention once the new token sits in its spare slot (`write_spare`) and its
+    Eviction is prepared: attend over every slot, add each row's mass to the scores. query [b,
+    q_heads, 1, d] -> [b, 1, q_heads, d]."""
     b, q_heads, _, d = query.shape
     bh = s.scores3.shape[0]
     q = query.reshape(bh, s.group, d)  # a view unless rows > 1 come strided
@@ -232,35 +174,144 @@ def attend_and_replace(s: DecodeStep, query, config, rows: StepRows):
     else:
         s.out.copy_(s.int8.attention_output(probs))
     # the group's mass into the scores, one batched matmul: [b*kvh, 1, group] @ probs
-    if config.score == "decay":
-        s.scores3.mul_(rows.beta)
     s.scores3.baddbmm_(rows.weights, probs)
-    if config.score == "mean":
-        s.queries.add_(rows.query_add)
-    # the victim: the unprotected slot of lowest priority, the older token on ties
-    torch.ge(s.key, rows.threshold, out=s.protected)
-    if config.policy == "h2o":
-        priority = heavy_score(s.scores, s.queries, config.score)
-        torch.where(s.protected, s.inf, priority, out=s.rank)
-        torch.amin(s.rank, -1, keepdim=True, out=s.lowest)
-        torch.eq(s.rank, s.lowest, out=s.is_lowest)
-        torch.where(s.is_lowest, s.ids, s.id_max, out=s.tiebreak)
-    else:  # window, sink: the oldest unprotected token
-        torch.where(s.protected, s.id_max, s.ids, out=s.tiebreak)
-    if rows.empty is not None:
-        s.tiebreak.masked_fill_(rows.empty, -1)  # a free slot is taken before any token is evicted
-    torch.argmin(s.tiebreak, -1, keepdim=True, out=s.victim)
-    if rows.idle is not None:
-        torch.where(rows.idle, s.spare_index, s.victim, out=s.victim)
-    # cache replace: the spare slot (copied out first: a source may not alias its target)
-    s.stage_kv.copy_(s.spare_kv)
-    s.stage_meta.copy_(s.spare_meta)
-    s.stage_acc.copy_(s.spare_acc4)
-    torch.add(s.slot_base, s.victim_rows, out=s.flat_victim)
-    s.kv_flat.index_copy_(1, s.flat_victim, s.stage_kv_flat)
-    s.meta_flat.index_copy_(1, s.flat_victim, s.stage_meta_flat)
-    s.acc_flat.index_copy_(1, s.flat_victim, s.stage_acc_flat)
-    if s.qp_flat is not None:
-        s.stage_qp.copy_(s.spare_qp)
-        s.qp_flat.index_copy_(1, s.flat_victim, s.stage_qp_flat)
     return s.out4
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """The bookkeeping of one decode step for n layers at once: views over their slot buffers,
+    stacked on a leading layer dim, and the scratch, made once (`over`). n = 1 for a layer on its
+    own; every layer of a cache whose layers are views of one stacked buffer (H2OCache and the
+    batch's Arena stack them), so the victim of every layer is found and moved in ~20 ops a token,
+    not ~20 a layer. Nothing here changes what a layer computes: a layer's victim depends only on
+    its own slots, read after its attention in either case.
+
+    Shapes: n layers, b rows, h KV heads, cap slots, d head_dim; R_kv = 2, R_meta = N_META, R_acc
+    = N_ACC, R_qp = kv_int8.N_ROWS (int8 slots) rows per buffer."""
+
+    spare_ints: torch.Tensor  # [n, N_META, b, h]: views of the spare slot: id, position, protection key
+    spare_acc: torch.Tensor  # [n, N_ACC, b, h]: its score and query count
+    ids: torch.Tensor  # [n, b, h, cap]
+    key: torch.Tensor  # [n, b, h, cap]
+    scores: torch.Tensor  # [n, b, h, cap] acc
+    queries: torch.Tensor  # [n, b, h, cap] acc
+    inf: torch.Tensor  # 0-d tensors, so no op makes one from a Python number
+    id_max: torch.Tensor
+    spare_index: torch.Tensor
+    protected: torch.Tensor  # [n, b, h, cap] bool
+    rank: torch.Tensor  # [n, b, h, cap] acc
+    lowest: torch.Tensor  # [n, b, h, 1] acc
+    is_lowest: torch.Tensor  # [n, b, h, cap] bool
+    tiebreak: torch.Tensor  # [n, b, h, cap] meta's dtype
+    victim: torch.Tensor  # [n, b, h, 1] long
+    slot_base: torch.Tensor  # [b*h]: where each (row, head)'s slots start, once (row, head) and slot are one dim
+    slot: torch.Tensor  # [n, 1, b*h] long: each victim's index in that dim
+    moves: tuple  # per buffer (kv, meta, acc, and qp for int8 slots): a Move
+
+    @classmethod
+    def over(cls, kv, meta, acc, qp):
+        """kv [n, 2, b, h, cap, d], meta [n, N_META, b, h, cap], acc [n, N_ACC, b, h, cap], qp [n,
+        N_ROWS, b, h, cap] or None: n layers' buffers, each view able to merge its (layer, row) and
+        its (row, head, slot) dims (a stacked buffer, one layer's own with a dim added, or the rows
+        of an arena's)."""
+        n, _, b, h, cap, _ = kv.shape
+        spare, dev = cap - 1, kv.device
+        victim = torch.empty(n, b, h, 1, dtype=torch.long, device=dev)
+        return cls(
+            spare_ints=meta[..., spare], spare_acc=acc[..., spare],
+            ids=meta[:, IDS], key=meta[:, KEY], scores=acc[:, SCORE], queries=acc[:, QUERIES],
+            inf=torch.tensor(torch.inf, dtype=acc.dtype, device=dev),
+            id_max=torch.tensor(torch.iinfo(meta.dtype).max, dtype=meta.dtype, device=dev),
+            spare_index=torch.tensor(spare, device=dev),
+            protected=torch.empty(n, b, h, cap, dtype=torch.bool, device=dev),
+            rank=torch.empty(n, b, h, cap, dtype=acc.dtype, device=dev),
+            lowest=torch.empty(n, b, h, 1, dtype=acc.dtype, device=dev),
+            is_lowest=torch.empty(n, b, h, cap, dtype=torch.bool, device=dev),
+            tiebreak=torch.empty(n, b, h, cap, dtype=meta.dtype, device=dev),
+            victim=victim, slot_base=torch.arange(0, b * h * cap, cap, device=dev),
+            slot=torch.empty(n, 1, b * h, dtype=torch.long, device=dev),
+            moves=tuple(Move.over(buf) for buf in (kv, meta, acc, qp) if buf is not None),
+        )
+
+    @property
+    def layers(self):
+        """n: the layers it evicts for."""
+        return self.victim.shape[0]
+
+    def prepare(self, rows: StepRows, config):
+        """Before the first of its layers attends: the new token's id, position and protection key
+        into every spare slot, its score and query count zero, and the old scores decayed."""
+        self.spare_ints.copy_(rows.ints)
+        self.spare_acc.fill_(0)
+        if config.score == "decay":
+            self.scores.mul_(rows.beta.view(1, *self.scores.shape[1:3], 1))
+
+
+@dataclass(frozen=True)
+class Move:
+    """One buffer's part of `evict`: copy each spare slot out (a source may not alias its target),
+    then put it in its victim's slot with one index_copy_. The buffer [n, R, b, h, cap, *d] is seen
+    as its memory's run of slots (`slots`), from its first to its last: every (layer, kind) block
+    of b*h*cap slots starts `stride` slots after the one before, which for the rows of a batch is
+    more than b*h*cap (the arena's unused rows lie between), so one index covers both."""
+
+    spare: torch.Tensor  # [n, R, b, h, 1, *d]: a view of the spare slot
+    stage: torch.Tensor  # [n, R, b, h, 1, *d]: where it is copied
+    staged: torch.Tensor  # [n*R*b*h, *d]: a view of stage, as index_copy_ reads it
+    slots: torch.Tensor  # [S, *d]: a view of the buffer's memory, slot by slot
+    block: torch.Tensor  # [n, R, 1] long: where each (layer, kind) block starts in `slots`
+    index: torch.Tensor  # [n, R, b*h] long: each victim's slot in `slots`
+
+    @classmethod
+    def over(cls, buf):
+        n, r, b, h, cap, *d = buf.shape
+        merged = buf.view(n * r, b * h * cap, *d)  # checks that the dims merge
+        per_slot = merged.stride(1)  # elements in a slot: prod(d)
+        stride = merged.stride(0) // per_slot
+        slots = merged.as_strided(((n * r - 1) * stride + b * h * cap, *d), (per_slot, *merged.stride()[2:]))
+        stage = buf.new_empty(n, r, b, h, 1, *d)
+        return cls(spare=buf[:, :, :, :, cap - 1 :], stage=stage, staged=stage.view(n * r * b * h, *d), slots=slots,
+                   block=torch.arange(0, n * r * stride, stride, device=buf.device).view(n, r, 1),
+                   index=torch.empty(n, r, b * h, dtype=torch.long, device=buf.device))
+
+
+def evict(e: Eviction, config, rows: StepRows):
+    """After the last of its layers attended: pick one victim per layer, row and head (the
+    unprotected slot of lowest priority, the older token on ties) and move the spare into it."""
+    if config.score == "mean":
+        e.queries.add_(rows.query_add)
+    torch.ge(e.key, rows.threshold, out=e.protected)
+    if config.policy == "h2o":
+        priority = heavy_score(e.scores, e.queries, config.score)
+        torch.where(e.protected, e.inf, priority, out=e.rank)
+        torch.amin(e.rank, -1, keepdim=True, out=e.lowest)
+        torch.eq(e.rank, e.lowest, out=e.is_lowest)
+        torch.where(e.is_lowest, e.ids, e.id_max, out=e.tiebreak)
+    else:  # window, sink: the oldest unprotected token
+        torch.where(e.protected, e.id_max, e.ids, out=e.tiebreak)
+    if rows.empty is not None:
+        e.tiebreak.masked_fill_(rows.empty, -1)  # a free slot is taken before any token is evicted
+    torch.argmin(e.tiebreak, -1, keepdim=True, out=e.victim)
+    if rows.idle is not None:
+        torch.where(rows.idle, e.spare_index, e.victim, out=e.victim)
+    torch.add(e.slot_base, e.victim.view(e.slot.shape), out=e.slot)
+    for move in e.moves:
+        move.stage.copy_(move.spare)
+        torch.add(move.block, e.slot, out=move.index)
+        move.slots.index_copy_(0, move.index.view(-1), move.staged)
+
+
+def step_layer(i, steps, evictions, keys, values, query, config, rows: StepRows):
+    """Layer i of a decode step: its new keys and values [b, h, 1, d] into its spare slot, its
+    attention (query [b, q_heads, 1, d] -> [b, 1, q_heads, d]), and the bookkeeping of its
+    Eviction: `evictions` is [one over every layer] (prepared before layer 0, evicting after the
+    last) or one per layer (each prepared and evicting around its own layer)."""
+    e, alone = (evictions[i], True) if len(evictions) > 1 else (evictions[0], False)
+    if alone or i == 0:
+        e.prepare(rows, config)
+    steps[i].write_spare(keys, values)
+    out = attend(steps[i], query, rows)
+    if alone or i == len(steps) - 1:
+        evict(e, config, rows)
+    return out

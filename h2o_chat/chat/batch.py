@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.kv_int8 import WideScratch
-from ..cache.step import DecodeStep, StepRows, attend_and_replace
+from ..cache.step import DecodeStep, Eviction, StepRows, step_layer
 from ..models.compile import Compilation, step_compiler
 from ..models.decode import Decoder
 
@@ -231,7 +231,9 @@ class Arena:
         self.members = []  # H2OCache per row
         self.idle = []  # steps each member has sat out in a row
         self.kv = self.meta = self.acc = self.qp = None  # per layer: [2, rows, kv_heads, cap, head_dim], [N_META | N_ACC | 4, rows, kv_heads, cap]
+        self.stack = None  # (kv, meta, acc, qp) [layers, ...] when the layers' buffers are views of one each (every layer's cap alike)
         self.steps = None  # per layer: the DecodeStep over the current number of rows
+        self.evictions = None  # and the step's Evictions (one over every layer when stacked, else one each)
         self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
 
     @property
@@ -296,16 +298,24 @@ class Arena:
         return tuple(None if b is None else b[:, r : r + 1] for b in self._layer(i))
 
     def _grow(self, rows, like):
-        grown = []  # per layer: its buffers with `rows` rows, the rows held so far copied over
-        for i, layer in enumerate(like.layers):
-            # zeros: a free slot's value times 0 is 0, never NaN
-            new = tuple(None if b is None else b.new_zeros(b.shape[0], rows, *b.shape[2:]) for b in layer.buffers)
-            if self.kv:
+        # zeros: a free slot's value times 0 is 0, never NaN. Layers of one capacity (a uniform
+        # budget) get one stacked buffer of each kind, so one Eviction serves them all (step.py)
+        layers = like.layers
+        if len({layer.capacity for layer in layers}) == 1:
+            stack = tuple(None if b is None else b.new_zeros(len(layers), b.shape[0], rows, *b.shape[2:])
+                          for b in layers[0].buffers)
+            grown = [tuple(None if b is None else b[i] for b in stack) for i in range(len(layers))]
+        else:
+            stack = None
+            grown = [tuple(None if b is None else b.new_zeros(b.shape[0], rows, *b.shape[2:]) for b in layer.buffers)
+                     for layer in layers]
+        if self.kv:  # per layer: the rows held so far copied over
+            for i, new in enumerate(grown):
                 for b, old in zip(new, self._layer(i)):
                     if b is not None:
                         b[:, : self.rows].copy_(old)
-            grown.append(new)
         held = [self._holds(c, r) for r, c in enumerate(self.members)]
+        self.stack = stack
         self.kv, self.meta, self.acc, self.qp = (list(b) for b in zip(*grown))
         for r, cache in enumerate(self.members):
             if held[r]:
@@ -329,6 +339,7 @@ class Arena:
         rows = self._row_state(active)
         if self.steps is None:
             self.steps = [self._decode_step(i, n) for i in range(len(self.kv))]
+            self.evictions = self._evictions(n)
         stacked = StackedCache(self, rows)
         n_seen = torch.tensor([c.layers[0].n_seen for c in self.members], device=dev)
         logits = decoder.step(input_ids, n_seen, stacked)
@@ -340,9 +351,15 @@ class Arena:
     def _decode_step(self, i, n):
         """Layer i's DecodeStep over rows [0, n), made on the host before the step runs."""
         first = self.members[0]
-        kv, meta, acc, qp = self.kv[i][:, :n], self.meta[i][:, :n], self.acc[i][:, :n], self.qp[i]
-        return DecodeStep.over(kv, meta, acc, None if qp is None else qp[:, :n], first.group, first.dtype, first.scaling,
+        kv, acc, qp = self.kv[i][:, :n], self.acc[i][:, :n], self.qp[i]
+        return DecodeStep.over(kv, acc, None if qp is None else qp[:, :n], first.group, first.dtype, first.scaling,
                                self.wide.for_slots(kv, acc.dtype))
+
+    def _evictions(self, n):
+        """The step's Evictions over rows [0, n): one over every layer when they are stacked, else one per layer."""
+        if self.stack is not None:
+            return [Eviction.over(*(None if b is None else b[:, :, :n] for b in self.stack))]
+        return [Eviction.over(*(None if b is None else b[None, :, :n] for b in self._layer(i))) for i in range(len(self.kv))]
 
     def _row_state(self, active):
         """Layer i's StepRows: what differs between the rows of one step, the same for every layer
@@ -413,9 +430,9 @@ class StackedCache(Cache):
     def attend(self, layer_idx, query, keys, values, scaling):
         """query [rows, q_heads, 1, head_dim], keys, values [rows, kv_heads, 1, head_dim] ->
         [rows, 1, q_heads, head_dim]."""
-        step, rows = self.arena.steps[layer_idx], self.rows[layer_idx]
-        step.write_spare(keys, values, rows)
-        return attend_and_replace(step, query, self.arena.members[0].config, rows)
+        arena = self.arena
+        return step_layer(layer_idx, arena.steps, arena.evictions, keys, values, query, arena.members[0].config,
+                          self.rows[layer_idx])
 
     def end(self):
         """Nothing to count here: the arena advances its members (Arena.step)."""
@@ -432,6 +449,9 @@ class StackedCache(Cache):
     def decode_steps(self):
         return self.arena.steps
 
+    def evictions(self):
+        return self.arena.evictions
+
     def replica(self):
         """A StackedCache over an arena of its own with the same rows and a copy of each member:
         what a step is compiled on off the batcher's thread, never touching this one."""
@@ -440,4 +460,5 @@ class StackedCache(Cache):
         for cache in members:
             arena.join(cache)
         arena.steps = [arena._decode_step(i, len(members)) for i in range(len(arena.kv))]
+        arena.evictions = arena._evictions(len(members))
         return StackedCache(arena, self.rows)  # the rows (what differs between them) are only read

@@ -240,7 +240,7 @@ class StepCompiler:
                 return
             self.asked.add(shape)
         try:  # each copy an inference tensor where its original is one (Dynamo guards on the dispatch keys)
-            with torch.inference_mode(cache.decode_steps()[0].kv_flat.is_inference()):
+            with torch.inference_mode(cache.decode_steps()[0].values.is_inference()):
                 replica = cache.replica()
             token_ids, positions = (copied(x) for x in (token_ids, positions))
         except Exception as e:  # never the user's step's failure: it runs eagerly
@@ -248,7 +248,7 @@ class StepCompiler:
             return
         # Decoder.step makes the decode steps' views (cache.begin) and the norms' scratch before it
         # enters inference_mode for the tensor work: the replica's are made as the user's were
-        made_inference = (cache.decode_steps()[0].victim.is_inference(), scratch.wide.is_inference())
+        made_inference = (cache.decode_steps()[0].out.is_inference(), scratch.wide.is_inference())
         job = Job(shape, token_ids, positions, replica, torch.is_inference_mode_enabled(), torch.is_grad_enabled(),
                   torch.get_num_threads(), *made_inference)
         with self._lock:
@@ -350,10 +350,11 @@ def step_kind(decoder):
 
 
 def mark_static(cache, scratch):
-    """CUDA graphs: the tensors a step writes in place (every DecodeStep's, the norms' scratch) are
+    """CUDA graphs: the tensors a step writes in place (every DecodeStep's and Eviction's, the norms' scratch) are
     static inputs, unguarded (a new address records the graph again; it does not compile again)."""
-    steps = cache.decode_steps()
-    for holder in [*steps, *(s.int8 for s in steps if s.int8 is not None), scratch]:
+    steps, evictions = cache.decode_steps(), cache.evictions()
+    for holder in [*steps, *(s.int8 for s in steps if s.int8 is not None), *evictions,
+                   *(m for e in evictions for m in e.moves), scratch]:
         for f in fields(holder):
             value = getattr(holder, f.name)
             if isinstance(value, torch.Tensor):
