@@ -861,7 +861,8 @@ class H2OCache(Cache):
         a batch joined or left; `H2OLayer.set_buffers` drops the layer's Eviction, so nothing holds
         the old stack once every layer has let go of it)."""
         shared = self.layers[0].eviction
-        if shared is not None and shared.layers == len(self.layers) and all(l.eviction is shared for l in self.layers):
+        if shared is not None and shared.layers == len(self.layers) and all(
+                layer.eviction is shared for layer in self.layers):
             return
         buffers = zip(*(layer.buffers for layer in self.layers))  # per kind: every layer's
         stack = tuple(None if parts[0] is None else torch.stack(parts) for parts in buffers)
