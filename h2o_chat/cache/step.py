@@ -111,7 +111,6 @@ class DecodeStep:
     values: torch.Tensor  # [b*h, cap, d]
     scores3: torch.Tensor  # [b*h, 1, cap] acc: a view of the layer's scores
     scale: torch.Tensor  # 0-d, so no op makes one from a Python number
-    scale_acc: torch.Tensor  # [1] acc: the same, with a dim, so a product with it is computed in acc's dtype
     logits: torch.Tensor | None  # [b*h, g, cap] model dtype (None for int8 slots: `int8` has its own)
     logits_acc: torch.Tensor | None  # [b*h, g, cap] acc, for a model whose dtype is not acc
     probs: torch.Tensor  # [b*h, g, cap] acc
@@ -133,7 +132,6 @@ class DecodeStep:
             group=group, spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
             scores3=acc_buf[SCORE].view(b * h, 1, cap), scale=torch.tensor(scaling, dtype=acc, device=dev),
-            scale_acc=torch.tensor([scaling], dtype=acc, device=dev),
             logits=torch.empty(b * h, group, cap, dtype=low, device=dev) if float_slots else None,
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
@@ -163,10 +161,9 @@ def attend(s: DecodeStep, query, rows: StepRows):
     q = query.reshape(bh, s.group, d)  # a view unless rows > 1 come strided
     if s.int8 is None:
         logits = torch.bmm(q, s.keys_t, out=s.logits)
-        if s.logits_acc is None:
-            logits.mul_(s.scale)
-        else:  # copied up and scaled in one op, as a copy then a product in acc's dtype would be
-            logits = torch.mul(logits, s.scale_acc, out=s.logits_acc)
+        if s.logits_acc is not None:
+            logits = s.logits_acc.copy_(logits)
+        logits.mul_(s.scale)
     else:
         logits = s.int8.attention_logits(q, s.scale)
     if rows.empty is not None:
