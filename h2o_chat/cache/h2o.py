@@ -554,7 +554,7 @@ class H2OCache(Cache):
         self.dtype = model.dtype
         self._unattended = None  # the layer whose update() has not been followed by its attend() yet
         self._rows = None  # [layers] StepRows while a decode step of full layers runs (begin to end)
-        self._evictions = None  # and its Evictions: [one over every layer], or one per layer
+        self._steps = self._evictions = None  # and its DecodeSteps, one a layer, and Evictions: [one over every layer], or one per layer
         self.wide = WideScratch()  # where int8 slots are widened for attention, one layer at a time
         super().__init__(layers=[H2OLayer(self.config, inv_freq, self.max_positions, self.wide)
                                  for _ in range(n_layers)])
@@ -744,7 +744,7 @@ class H2OCache(Cache):
         self._unattended = None
         rows = self._rows and self._rows[layer_idx]
         if rows is not None:
-            return step_layer(layer_idx, self.decode_steps(), self._evictions, keys, values, query, self.config, rows)
+            return step_layer(layer_idx, self._steps, self._evictions, keys, values, query, self.config, rows)
         return self.layers[layer_idx].attend(keys, values, query, scaling, self.limits.layer(layer_idx), self.pins)
 
     def end(self):
@@ -774,7 +774,7 @@ class H2OCache(Cache):
 
     def decode_steps(self):
         """During a static step: each layer's DecodeStep (the buffers it writes in place)."""
-        return [layer.step for layer in self.layers]
+        return self._steps
 
     def evictions(self):
         """During a static step: its Evictions (step.step_layer), whose scratch it writes in place too."""
@@ -787,7 +787,7 @@ class H2OCache(Cache):
         twin = copy.copy(self)
         twin.wide = WideScratch()
         twin.layers = [H2OLayer(self.config, layer.inv_freq, self.max_positions, twin.wide) for layer in self.layers]
-        twin._rows = twin._unattended = twin._evictions = None
+        twin._rows = twin._unattended = twin._steps = twin._evictions = None
         twin.restore(self.snapshot())
         return twin
 
@@ -846,6 +846,7 @@ class H2OCache(Cache):
         for layer, takes_step in zip(self.layers, static):
             if takes_step:
                 layer.make_step(self.group, self.dtype, self.scaling, alone=not together)
+        self._steps = [layer.step for layer in self.layers]  # once a step, not once a layer (step_layer reads it per layer)
         self._evictions = [self.layers[0].eviction] if together else [layer.eviction for layer in self.layers]
         return per_layer
 
