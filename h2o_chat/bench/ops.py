@@ -1,4 +1,5 @@
-"""`python -m h2o_chat.bench ops`: aten ops and host syncs per decode token, after --seen tokens
+"""`python -m h2o_chat.bench ops`: aten ops (and this project's own, h2o_chat::attend_one: one op
+each) and host syncs per decode token, after --seen tokens
 (the profiler), for DynamicCache, h2o, full and the app's lean step ('+lean'), and where the time
 of a token goes: milliseconds per token without the profiler (the median of --steps), and the
 profiler's self time split into the weights' matmuls, the attention (its bmm, softmax and the
@@ -55,7 +56,8 @@ class SyncCounter:
 
 MATMULS = {"aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm",
            "aten::mm", "aten::addmm"}
-ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::_softmax"}
+ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::_softmax", "h2o_chat::attend_one"}
+OWN_OPS = "h2o_chat::"  # this project's own ops (cache/native.py): counted with aten's
 # the profiler's records of compiled code (torch 2.13), by name: what a compiled step runs besides aten ops
 GUARDS = "TorchDynamo Cache Lookup"
 WRAPPER = "## Call CompiledFxGraph"  # a prefix: the graph's hash follows
@@ -64,7 +66,7 @@ KERNEL = "cpp_fused"  # inductor's C++ kernels, named graph_<i>_cpp_fused_<ops>
 
 def kind_of(name):
     """Which part of a step's time a profiler record's self time is (None: not counted)."""
-    if name.startswith("aten::"):
+    if name.startswith(("aten::", OWN_OPS)):
         return "matmul" if name in MATMULS else "attention" if name in ATTENTION else "rest"
     if name == GUARDS:
         return "guards"
@@ -86,7 +88,7 @@ def count_ops(step, steps):
     with SyncCounter() as python_syncs, profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    names = Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    names = Counter(e.name for e in prof.events() if e.name.startswith(("aten::", OWN_OPS)))
     syncs = names["aten::_local_scalar_dense"] + python_syncs.count
     split = dict.fromkeys(("matmul", "attention", "rest", "guards", "wrapper", "kernels"), 0.0)
     for op in prof.key_averages():
@@ -143,7 +145,8 @@ def run(args):
     for row in rows:
         row[f"added_vs_{base['method']}"] = row["ops_per_token"] - base["ops_per_token"]
         added = counts[row["quantization"], row["method"]] - counts[base["quantization"], base["method"]]
-        row["most_added"] = ", ".join(f"{name[6:]} {n / args.steps:+.0f}" for name, n in added.most_common(6))
+        row["most_added"] = ", ".join(f"{name.removeprefix('aten::')} {n / args.steps:+.0f}"
+                                      for name, n in added.most_common(6))
     meta = {"command": args.command_line, "seen": args.seen, "budget": args.budget, "steps": args.steps,
             "dtype": str(model.dtype), "threads": torch.get_num_threads(), "weights": weights}
     columns = ["method", "ops_per_token", f"added_vs_{base['method']}", "syncs_per_token", "ms_per_token",

@@ -12,8 +12,8 @@ A cache whose layers all have one capacity holds each kind as one buffer [layers
 layers' buffers are views of it, so the eviction runs once a token for every layer (`Eviction`).
 
 A decode step, per layer i (`step_layer`): the new key and value into the spare slot, `attend`
-(every slot, the scores), and after the last layer `evict` (one victim per layer, row and head,
-the spare moved into it).
+(every slot, the scores: as aten ops, or for bf16 slots on a CPU one C function, native.py), and
+after the last layer `evict` (one victim per layer, row and head, the spare moved into it).
 """
 
 import functools
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kv_int8
+from . import kv_int8, native
 from .policy import heavy_score
 
 IDS, POS, KEY = range(3)  # rows of a layer's meta buffer
@@ -102,9 +102,14 @@ class DecodeStep:
     """A full layer's attention for one new token: views over its buffers and the scratch the
     attention writes, made once (`over`). b rows, h KV heads, g query heads per KV head, cap =
     budget + 1 slots, d head_dim; acc is the score dtype. What the token then evicts is an
-    `Eviction`'s, over this layer alone or over every layer of its cache at once."""
+    `Eviction`'s, over this layer alone or over every layer of its cache at once. With `native`
+    (bf16 slots on a CPU: native.py) the attention is one op over `kv`, and the aten ops' own
+    buffers (logits, logits_acc, probs_low) are not made."""
 
     group: int
+    kv: torch.Tensor  # [2, b, h, cap, d] the layer's slots
+    native: object | None  # torch.ops.h2o_chat.attend_one, or None: the aten ops
+    scaling: float
     spare_k: torch.Tensor  # [b, h, 1, d]  views of the spare slot
     spare_v: torch.Tensor
     keys_t: torch.Tensor  # [b*h, d, cap] (float slots: int8 ones are read through `int8`)
@@ -127,17 +132,19 @@ class DecodeStep:
         _, b, h, cap, d = kv.shape
         spare, acc, dev, low = cap - 1, acc_buf.dtype, kv.device, dtype
         out = torch.empty(b * h, group, d, dtype=low, device=dev)
+        op = native.attend_one() if native.serves(kv, dtype, group) else None
         float_slots = kv.dtype != kv_int8.CODES  # int8 slots attend through their own buffers (kv_int8.Int8Step)
+        aten = float_slots and op is None  # the aten ops' buffers
         return cls(
-            group=group, spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
+            group=group, kv=kv, native=op, scaling=float(scaling), spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
             scores3=acc_buf[SCORE].view(b * h, 1, cap), scale=torch.tensor(scaling, dtype=acc, device=dev),
-            logits=torch.empty(b * h, group, cap, dtype=low, device=dev) if float_slots else None,
+            logits=torch.empty(b * h, group, cap, dtype=low, device=dev) if aten else None,
             # softmax in at least float32, like transformers' eager attention: for a bf16 model
             # the logits are copied up and the probabilities down, into buffers made here
-            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low and float_slots else None,
+            logits_acc=torch.empty(b * h, group, cap, dtype=acc, device=dev) if acc != low and aten else None,
             probs=torch.empty(b * h, group, cap, dtype=acc, device=dev),
-            probs_low=torch.empty(b * h, group, cap, dtype=low, device=dev) if acc != low and float_slots else None,
+            probs_low=torch.empty(b * h, group, cap, dtype=low, device=dev) if acc != low and aten else None,
             out=out, out4=out.view(b, 1, group * h, d),
             int8=None if float_slots else kv_int8.Int8Step.over(kv, qp, group, dtype, wide),
         )
@@ -156,6 +163,9 @@ def attend(s: DecodeStep, query, rows: StepRows):
     """One layer's attention once the new token sits in its spare slot (`write_spare`) and its
     Eviction is prepared: attend over every slot, add each row's mass to the scores. query [b,
     q_heads, 1, d] -> [b, 1, q_heads, d]."""
+    if s.native is not None:
+        s.native(query, s.kv, s.scores3, rows.weights, rows.empty, s.scaling, s.probs, s.out)
+        return s.out4
     b, q_heads, _, d = query.shape
     bh = s.scores3.shape[0]
     q = query.reshape(bh, s.group, d)  # a view unless rows > 1 come strided
