@@ -1,9 +1,10 @@
 """The native attention (cache/native.py, attend_one.c) computes what the aten ops it replaces do.
 
-Where the slots are bf16 on a CPU and a C compiler exists, a layer's decode step attends through
-one C function; H2O_CHAT_NATIVE=0 chooses the aten ops. Both round where the other does (bf16
-logits, a float32 softmax, bf16 probabilities in the output's products, float32 scores), in
-another order of summation and with another exp. So one step over the same slots gives outputs
+Where a bf16 model decodes on a CPU and a C compiler exists, a layer's decode step attends through
+one C function, over bf16 slots or 8-bit ones; H2O_CHAT_NATIVE=0 chooses the aten ops. Both round
+where the other does (bf16 slots: bf16 logits, a float32 softmax, bf16 probabilities in the
+output's products; 8-bit slots: float32 throughout; float32 scores), in another order of
+summation and with another exp. So one step over the same slots gives outputs
 within one bf16 step and scores within float32 rounding, a free slot or a row sitting out gets
 exactly nothing, and a bf16 model decoding the same tokens keeps the same tokens. (A
 logit at a bf16 rounding boundary can round either way, so "within rounding" is stated per test.)
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from h2o_chat import H2OCache
-from h2o_chat.cache import native
+from h2o_chat.cache import kv_int8, native
 from h2o_chat.cache.step import DecodeStep, StepRows, attend
 from h2o_chat.models.decode import Decoder
 from tests.conftest import make_tiny_llama
@@ -24,11 +25,12 @@ needs_native = pytest.mark.skipif(native.loaded() is None, reason="no native att
 BF16_STEP = 2**-7  # bf16's relative spacing: one step of its 8-bit significand
 
 
-def one_step(monkeypatch, use_native, kv, acc, query, rows, group):
-    """attend() once over copies of kv and acc: (output, scores after, the step's native op)."""
+def one_step(monkeypatch, use_native, kv, qp, acc, query, rows, group):
+    """attend() once over copies of kv, qp and acc: (output, scores after, the step's native op)."""
     monkeypatch.setenv("H2O_CHAT_NATIVE", "1" if use_native else "0")
-    kv, acc = kv.clone(), acc.clone()
-    step = DecodeStep.over(kv, acc, None, group, torch.bfloat16, query.shape[-1] ** -0.5)
+    kv, acc, qp = kv.clone(), acc.clone(), None if qp is None else qp.clone()
+    wide = kv_int8.WideScratch().for_slots(kv, acc.dtype)
+    step = DecodeStep.over(kv, acc, qp, group, torch.bfloat16, query.shape[-1] ** -0.5, wide)
     out = attend(step, query, rows).clone()
     return out, acc[0], step.native
 
@@ -42,9 +44,14 @@ def one_step(monkeypatch, use_native, kv, acc, query, rows, group):
     (3, 2, 2, 64, 65),  # a batch's rows
 ])
 @pytest.mark.parametrize("filling", [False, True])
-def test_one_step_is_the_aten_ops_within_rounding(monkeypatch, rows, kv_heads, group, head_dim, slots, filling):
+@pytest.mark.parametrize("width", ["bf16", "int8"])
+def test_one_step_is_the_aten_ops_within_rounding(monkeypatch, rows, kv_heads, group, head_dim, slots, filling, width):
     g = torch.Generator().manual_seed(rows * 1000 + slots)
     kv = torch.randn(2, rows, kv_heads, slots, head_dim, generator=g).to(torch.bfloat16)
+    qp = None
+    if width == "int8":  # codes with a scale and a zero point per slot, laid out as a layer holds them
+        kv, scale, zero = kv_int8.quantize(kv)
+        qp = torch.stack([scale[0], scale[1], zero[0], zero[1]])
     acc = torch.rand(2, rows, kv_heads, slots, generator=g)
     # the queries as the step has them: the first heads of a [rows, q + kv heads, 1, d] tensor (keys after them)
     qk = (3 * torch.randn(rows, kv_heads * group + kv_heads, 1, head_dim, generator=g)).to(torch.bfloat16)
@@ -57,8 +64,8 @@ def test_one_step_is_the_aten_ops_within_rounding(monkeypatch, rows, kv_heads, g
         slot = torch.arange(slots)
         empty = ((slot >= n_slots) & (slot < slots - 1))[:, None]
         state = StepRows(**{**state.__dict__, "empty": empty})
-    out, scores, op = one_step(monkeypatch, True, kv, acc, query, state, group)
-    out_aten, scores_aten, op_aten = one_step(monkeypatch, False, kv, acc, query, state, group)
+    out, scores, op = one_step(monkeypatch, True, kv, qp, acc, query, state, group)
+    out_aten, scores_aten, op_aten = one_step(monkeypatch, False, kv, qp, acc, query, state, group)
     assert op is not None and op_aten is None
     # a dot product summed in another order can round to the neighbouring bf16 logit, which moves
     # that slot's probability by about scale x one bf16 step of the logit (a percent or less): so the
@@ -92,12 +99,13 @@ def decode_teacher_forced(monkeypatch, use_native, model, tokens, **cache_kwargs
 @needs_native
 @pytest.mark.parametrize("policy,score", [("h2o", "sum"), ("h2o", "mean"), ("h2o", "decay"), ("window", "sum")])
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_a_bf16_model_decodes_as_on_the_aten_ops(monkeypatch, policy, score, kv_heads):
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+def test_a_bf16_model_decodes_as_on_the_aten_ops(monkeypatch, policy, score, kv_heads, kv_quant):
     # the same 60 tokens fed to both (not each one's own argmax, which a near tie could flip): the
     # layers fill, then evict; the same tokens kept, logits within a few bf16 steps of the largest
     model = make_tiny_llama(torch.bfloat16, kv_heads=kv_heads)
     tokens = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(5))
-    settings = dict(policy=policy, score=score, budget=16, n_sink=2, n_recent=4)
+    settings = dict(policy=policy, score=score, budget=16, n_sink=2, n_recent=4, kv_quant=kv_quant)
     logits, kept, op = decode_teacher_forced(monkeypatch, True, model, tokens, **settings)
     logits_aten, kept_aten, op_aten = decode_teacher_forced(monkeypatch, False, model, tokens, **settings)
     assert op is not None and op_aten is None

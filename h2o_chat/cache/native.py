@@ -1,5 +1,6 @@
-"""One new token's attention as one C function (attend_one.c), for bf16 slots on a CPU: the op
-`torch.ops.h2o_chat.attend_one`, which step.py's `attend` runs in place of its eight aten ops.
+"""One new token's attention as one C function (attend_one.c), for a bf16 model's decode step on a
+CPU, over bf16 or 8-bit slots: the op `torch.ops.h2o_chat.attend_one`, which step.py's `attend`
+runs in place of its aten ops.
 
 Why: a decode step's attention on a CPU is small work in many launches; measured on the embedded
 model (2 cores, budget 512), these ops took ~100 us a layer, the C function ~60 (docs/engine.md).
@@ -75,11 +76,11 @@ def compiled():
         library = Path(folder) / "attend_one.so"
         subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(library)],
                        check=True, capture_output=True, timeout=120)
-        function = ctypes.CDLL(str(library)).attend_one_bf16
+        function = ctypes.CDLL(str(library)).attend_one
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [i32, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, ptr, ctypes.c_float, ptr, i64, ptr, ptr]
+    function.argtypes = [i32, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64, ptr, ptr]
     function.restype = i32
     return function
 
@@ -94,31 +95,36 @@ def register(function):
     _function = function
     if _library is None:
         _library = torch.library.Library("h2o_chat", "DEF")
-        _library.define("attend_one(Tensor query, Tensor kv, Tensor(a!) scores, Tensor weights, Tensor? empty, "
-                        "float scale, Tensor(b!) probs, Tensor(c!) out) -> ()")
+        _library.define("attend_one(Tensor query, Tensor kv, Tensor? qp, Tensor(a!) scores, Tensor weights, "
+                        "Tensor? empty, float scale, Tensor(b!) probs, Tensor(c!) out) -> ()")
         _library.impl("attend_one", run, "CPU")
         _library.impl("attend_one", lambda *args: None, "Meta")
     return torch.ops.h2o_chat.attend_one.default
 
 
-def run(query, kv, scores, weights, empty, scale, probs, out):
-    """The op on a CPU: query [b, h * g, 1, d] (a row's heads adjacent), kv [2, b, h, cap, d] (keys
-    then values, each contiguous), scores [b * h, 1, cap], weights [b * h, 1, g], empty [b or 1, 1,
-    cap] or None, probs [b * h, g, cap], out [b * h, g, d]: attend_one.c's arguments."""
+def run(query, kv, qp, scores, weights, empty, scale, probs, out):
+    """The op on a CPU: query [b, h * g, 1, d] bf16 (a row's heads adjacent), kv [2, b, h, cap, d]
+    (keys then values, each contiguous: bf16, or uint8 codes with qp [4, b, h, cap] float16, each
+    row contiguous), scores [b * h, 1, cap], weights [b * h, 1, g], empty [b or 1, 1, cap] or None,
+    probs [b * h, g, cap], out [b * h, g, d]: attend_one.c's arguments."""
     _, b, h, cap, d = kv.shape
     if query.stride(1) != d or query.stride(-1) != 1:
         raise ValueError("attend_one: a row's query heads must be adjacent")
     values = kv.data_ptr() + kv.stride(0) * kv.element_size()
     status = _function(b, h, weights.shape[-1], cap, d, query.data_ptr(), query.stride(0), kv.data_ptr(), values,
+                       None if qp is None else qp.data_ptr(), 0 if qp is None else qp.stride(0),
                        scores.data_ptr(), weights.data_ptr(), scale, None if empty is None else empty.data_ptr(),
                        0 if empty is None or empty.shape[0] == 1 else empty.stride(0), probs.data_ptr(), out.data_ptr())
     if status != 0:
         raise ValueError(f"attend_one: unsupported shapes (head_dim {d}, group {weights.shape[-1]})")
 
 
-def serves(kv, dtype, group):
-    """Whether the op can run a layer's step: bf16 slots of a bf16 model on a CPU, keys then values
-    each contiguous (a cache's own buffer, or a batch's first rows), the shapes attend_one.c handles."""
+def serves(kv, qp, dtype, group):
+    """Whether the op can run a layer's step: a bf16 model on a CPU, its slots bf16 or 8-bit (qp their
+    scales and zero points), laid out as attend_one.c reads them (keys then values each contiguous, and
+    each of qp's rows: a cache's own buffers, or a batch's first rows), the shapes it handles."""
     _, b, h, cap, d = kv.shape
-    return (kv.dtype == dtype == torch.bfloat16 and kv.device.type == "cpu" and kv[0].is_contiguous()
+    width = kv.dtype == torch.bfloat16 or (kv.dtype == torch.uint8 and qp is not None and qp.dtype == torch.float16
+                                            and all(row.is_contiguous() for row in qp))
+    return (dtype == torch.bfloat16 and width and kv.device.type == "cpu" and kv[0].is_contiguous()
             and kv[1].is_contiguous() and group <= MAX_GROUP and d % LANES == 0 and LANES <= d <= MAX_DIM)

@@ -12,7 +12,7 @@ A cache whose layers all have one capacity holds each kind as one buffer [layers
 layers' buffers are views of it, so the eviction runs once a token for every layer (`Eviction`).
 
 A decode step, per layer i (`step_layer`): the new key and value into the spare slot, `attend`
-(every slot, the scores: as aten ops, or for bf16 slots on a CPU one C function, native.py), and
+(every slot, the scores: as aten ops, or for a bf16 model on a CPU one C function, native.py), and
 after the last layer `evict` (one victim per layer, row and head, the spare moved into it).
 """
 
@@ -103,11 +103,12 @@ class DecodeStep:
     attention writes, made once (`over`). b rows, h KV heads, g query heads per KV head, cap =
     budget + 1 slots, d head_dim; acc is the score dtype. What the token then evicts is an
     `Eviction`'s, over this layer alone or over every layer of its cache at once. With `native`
-    (bf16 slots on a CPU: native.py) the attention is one op over `kv`, and the aten ops' own
-    buffers (logits, logits_acc, probs_low) are not made."""
+    (a bf16 model on a CPU: native.py) the attention is one op over `kv` (and `qp`), and the aten
+    ops' own buffers (logits, logits_acc, probs_low) are not made."""
 
     group: int
     kv: torch.Tensor  # [2, b, h, cap, d] the layer's slots
+    qp: torch.Tensor | None  # [4, b, h, cap] their scales and zero points (int8 slots)
     native: object | None  # torch.ops.h2o_chat.attend_one, or None: the aten ops
     scaling: float
     spare_k: torch.Tensor  # [b, h, 1, d]  views of the spare slot
@@ -132,11 +133,11 @@ class DecodeStep:
         _, b, h, cap, d = kv.shape
         spare, acc, dev, low = cap - 1, acc_buf.dtype, kv.device, dtype
         out = torch.empty(b * h, group, d, dtype=low, device=dev)
-        op = native.attend_one() if native.serves(kv, dtype, group) else None
+        op = native.attend_one() if native.serves(kv, qp, dtype, group) else None
         float_slots = kv.dtype != kv_int8.CODES  # int8 slots attend through their own buffers (kv_int8.Int8Step)
         aten = float_slots and op is None  # the aten ops' buffers
         return cls(
-            group=group, kv=kv, native=op, scaling=float(scaling), spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
+            group=group, kv=kv, qp=qp, native=op, scaling=float(scaling), spare_k=kv[0, :, :, spare:], spare_v=kv[1, :, :, spare:],
             keys_t=kv[0].view(b * h, cap, d).transpose(1, 2), values=kv[1].view(b * h, cap, d),
             scores3=acc_buf[SCORE].view(b * h, 1, cap), scale=torch.tensor(scaling, dtype=acc, device=dev),
             logits=torch.empty(b * h, group, cap, dtype=low, device=dev) if aten else None,
@@ -164,7 +165,7 @@ def attend(s: DecodeStep, query, rows: StepRows):
     Eviction is prepared: attend over every slot, add each row's mass to the scores. query [b,
     q_heads, 1, d] -> [b, 1, q_heads, d]."""
     if s.native is not None:
-        s.native(query, s.kv, s.scores3, rows.weights, rows.empty, s.scaling, s.probs, s.out)
+        s.native(query, s.kv, s.qp, s.scores3, rows.weights, rows.empty, s.scaling, s.probs, s.out)
         return s.out4
     b, q_heads, _, d = query.shape
     bh = s.scores3.shape[0]
