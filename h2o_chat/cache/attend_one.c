@@ -97,7 +97,8 @@ static inline floats load_bf16(const uint16_t *p) {
 static inline floats load_codes(const uint8_t *p) {
     bytes v;
     memcpy(&v, p, sizeof v);
-    return __builtin_convertvector(v, floats);
+    /* widened in two steps: GCC 12 builds a one-step 8- to 32-bit widening lane by lane (2x slower) */
+    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(v, halves), ints), floats);
 }
 
 /* LANES float16 values as float32, as from_f16 does one. */
@@ -105,7 +106,7 @@ static inline floats load_f16(const uint16_t *p) {
     halves v;
     memcpy(&v, p, sizeof v);
     uints h = __builtin_convertvector(v, uints), sign = (h & 0x8000u) << 16, magnitude = h & 0x7fffu;
-    floats small = __builtin_convertvector(magnitude, floats) * 0x1p-24f;
+    floats small = __builtin_convertvector((ints)magnitude, floats) * 0x1p-24f;  /* < 2^10: signed converts */
     return where((ints)(magnitude < 0x400u), (floats)((uints)small | sign),
                  (floats)(sign | ((magnitude + ((127 - 15) << 10)) << 13)));
 }
@@ -203,12 +204,14 @@ static void softmax(float *p, int cap, float largest) {
         p[c] *= inverse;
 }
 
-/* One KV head: its g queries over its cap slots (qp: NULL for bf16 slots, else this head's rows of
- * it, row k at qp + k * qp_row_stride). */
-static inline void attend_head(int d, int g, int cap, const uint16_t *query, const void *keys, const void *values,
-                               const uint16_t *qp, int64_t qp_row_stride, float *scores, const float *weights,
-                               float scale, const uint8_t *empty, float *probs, uint16_t *out) {
-    const int n = d / LANES, codes = qp != 0;
+/* One KV head: its g queries over its cap slots; codes: 8-bit slots, qp this head's rows of their
+ * scales and zero points, row k at qp + k * qp_row_stride. Inlined where d and codes are constants,
+ * so each combination's loops are specialized. */
+static inline __attribute__((always_inline)) void attend_head(
+        int d, int codes, int g, int cap, const uint16_t *query, const void *keys, const void *values,
+        const uint16_t *qp, int64_t qp_row_stride, float *scores, const float *weights, float scale,
+        const uint8_t *empty, float *probs, uint16_t *out) {
+    const int n = d / LANES;
     floats q[MAX_GROUP][MAX_DIM / LANES], row[MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES];
     float query_sum[MAX_GROUP], zero_term[MAX_GROUP];
     for (int j = 0; j < g; j++) {  /* 8-bit slots: the query scaled first, in float32, as Int8Step */
@@ -297,12 +300,14 @@ int attend_one(int b, int h, int g, int cap, int d, const uint16_t *query, int64
             uint16_t *o = out + head * g * d;
             const float *w = weights + head * g;
             /* the common head sizes as constants, so their loops unroll and stay in registers */
+#define HEAD(d, codes) attend_head(d, codes, g, cap, q, ks, vs, head_qp, qp_row_stride, s, w, scale, e, p, o)
             if (d == 64)
-                attend_head(64, g, cap, q, ks, vs, head_qp, qp_row_stride, s, w, scale, e, p, o);
+                qp ? HEAD(64, 1) : HEAD(64, 0);
             else if (d == 128)
-                attend_head(128, g, cap, q, ks, vs, head_qp, qp_row_stride, s, w, scale, e, p, o);
+                qp ? HEAD(128, 1) : HEAD(128, 0);
             else
-                attend_head(d, g, cap, q, ks, vs, head_qp, qp_row_stride, s, w, scale, e, p, o);
+                qp ? HEAD(d, 1) : HEAD(d, 0);
+#undef HEAD
         }
     return 0;
 }
