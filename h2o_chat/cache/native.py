@@ -5,8 +5,9 @@ runs in place of its aten ops.
 Why: a decode step's attention on a CPU is small work in many launches; measured on the embedded
 model (2 cores, budget 512), these ops took ~100 us a layer, the C function ~60 (docs/engine.md).
 
-How it gets here: at the first use in a process, attend_one.c is compiled by the system's C
-compiler (`$CC`, else `cc`; ~0.3 s) for this machine (-march=native) into a private temporary
+How it gets here: at the first use in a process (a bf16 model's `Decoder`, made when the app
+starts), attend_one.c is compiled by the system's C compiler (`$CC`, else `cc`; ~1.5 s at -O3,
+whose kernel is 1.2x -O2's) for this machine (-march=native) into a private temporary
 folder, loaded with ctypes, and the folder removed (the loaded library stays mapped). Where there
 is no compiler, the compile fails, or the CPU is not x86-64 or ARM64, `attend_one()` is None, one
 log line says why, and the aten ops run; H2O_CHAT_NATIVE=0 chooses them (the same results within
@@ -24,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -32,12 +34,16 @@ SOURCE = Path(__file__).with_name("attend_one.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]  # no -ffast-math: see attend_one.c
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # attend_one.c's limits
 log = logging.getLogger("h2o_chat")
+_loading = threading.Lock()  # one compile a process, whichever thread asks first (the others wait for it)
 
 
 def attend_one():
     """The op (torch.ops.h2o_chat.attend_one.default), or None: H2O_CHAT_NATIVE=0 is set (read at each
     call: a cache makes its layers' steps once, not once a token), or the C function is not available."""
-    return None if os.environ.get("H2O_CHAT_NATIVE", "1") == "0" else loaded()
+    if os.environ.get("H2O_CHAT_NATIVE", "1") == "0":
+        return None
+    with _loading:
+        return loaded()
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from ..cache import native
 from ..cache.h2o import STATIC_ROPE_TYPES
 from .quantize import PACKED
 
@@ -75,6 +76,8 @@ class Decoder:
         self.embed = base.embed_tokens  # a module: a float table, or rows of a packed one
         self.lm_head = lean_call(model.lm_head, dtype)
         self.layers = [layer_calls(layer, self.head_dim, dtype) for layer in base.layers]
+        if dtype == torch.bfloat16 and self.norm.device.type == "cpu":
+            native.attend_one()  # compiled now (~1.5 s, once a process), not inside a reply's first token
         self._scratch = {}  # rows -> Scratch: a Decoder runs one step at a time
         self._compiled = None  # layers_step compiled (`compile`), run for a cache with static shapes
 
