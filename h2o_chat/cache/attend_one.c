@@ -289,9 +289,11 @@ int attend_one(int b, int h, int g, int cap, int d, const uint16_t *query, int64
     if (g < 1 || g > MAX_GROUP || d < LANES || d > MAX_DIM || d % LANES)
         return -1;
     int64_t width = qp ? 1 : 2;  /* bytes a key element takes */
-    for (int r = 0; r < b; r++)
-        for (int k = 0; k < h; k++) {
-            int64_t head = (int64_t)r * h + k;
+    /* heads split between torch's threads: built with -fopenmp, this library uses the OpenMP runtime
+     * torch loaded (the same soname), so its team and its thread count (torch.set_num_threads) */
+#pragma omp parallel for schedule(static) if (b * h > 1)
+    for (int64_t head = 0; head < (int64_t)b * h; head++) {
+            int r = (int)(head / h), k = (int)(head % h);
             const uint16_t *q = query + r * query_row_stride + (int64_t)k * g * d;
             const char *ks = (const char *)keys + head * cap * d * width, *vs = (const char *)values + head * cap * d * width;
             const uint16_t *head_qp = qp ? qp + head * cap : 0;

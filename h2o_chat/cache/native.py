@@ -32,6 +32,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("attend_one.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]  # no -ffast-math: see attend_one.c
+OPENMP = "-fopenmp"  # heads in parallel on torch's own OpenMP threads; a compiler without it builds one thread
 MAX_GROUP, MAX_DIM, LANES = 16, 256, 16  # attend_one.c's limits
 log = logging.getLogger("h2o_chat")
 _loading = threading.Lock()  # one compile a process, whichever thread asks first (the others wait for it)
@@ -80,8 +81,13 @@ def compiled():
     folder = tempfile.mkdtemp(prefix="h2o-chat-native-")  # private (0700): nobody else can swap the library
     try:
         library = Path(folder) / "attend_one.so"
-        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(library)],
-                       check=True, capture_output=True, timeout=120)
+        compiler = os.environ.get("CC", "cc")
+        try:
+            subprocess.run([compiler, *FLAGS, OPENMP, str(SOURCE), "-o", str(library)], check=True,
+                           capture_output=True, timeout=120)
+        except subprocess.CalledProcessError:  # no OpenMP (Clang without libomp): the same kernel, one thread
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(library)], check=True, capture_output=True,
+                           timeout=120)
         function = ctypes.CDLL(str(library)).attend_one
     finally:
         shutil.rmtree(folder, ignore_errors=True)
