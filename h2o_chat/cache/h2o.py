@@ -70,7 +70,7 @@ from .step import (
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GROWTH = 256  # slots an unbounded layer grows by
-STATIC_FROM = 4  # a layer filling up takes the decode step once 1/STATIC_FROM of its budget is live
+STATIC_FROM = 8  # a layer filling up takes the decode step once 1/STATIC_FROM of its budget is live
 
 
 def pack_meta(meta, acc):
@@ -875,13 +875,16 @@ class H2OCache(Cache):
     def steps_static(self):
         """[layers] bools: the layer takes the decode step of static shapes, full or filling: its
         buffers hold exactly budget + 1 slots (a bounded layer's, allocated at its first input; a
-        restored state's may be smaller until it fills) and at least a quarter of them are live.
+        restored state's may be smaller until it fills) and at least an eighth of them are live.
 
-        Why the quarter: the step attends over every slot, free ones masked, so its cost is the
+        Why an eighth: the step attends over every slot, free ones masked, so its cost is the
         budget's; the general path's grows with the live slots. Measured on the embedded model
-        (int4, 2 cores; `bench decode --seen 117,2048 --budget 4096`): at budget 512 the step wins
-        from the first token (117 live: 16.3 against 19.1 ms); at budget 4096 it loses at 117 live
-        (23.5 against 18.8 ms) and wins at 2,048 (23.2 against 29.7), crossing near 950, a quarter."""
+        (int4, 2 cores; arms alternating in one process), with the native attention (native.py)
+        the step wins from the first tokens: at budget 512 and 60 live, 10.7 against 17.6 ms; at
+        4096, 17.7 against 19.5 at 400 live and 18.0 against 23.6 at 800. Torch's ops alone
+        (`H2O_CHAT_NATIVE=0`) crossed near a quarter at 4096 (23.5 against 18.8 ms at 117 live,
+        23.2 against 29.7 at 2,048): an eighth loses a little there between 512 and ~950 live, and
+        a budget far larger than the chat so far stays on the general path in both."""
         lim = self.limits
         if lim is None or lim.budget is None:
             return [False] * len(self.layers)
