@@ -159,6 +159,34 @@ def test_stop_from_another_thread(tiny_chat):
     assert session.history[-1] == {"role": "assistant", "content": "".join(pieces)} and not session.busy
 
 
+@pytest.mark.parametrize("saves", [False, True])
+def test_a_long_chat_holds_no_more_copies_of_its_cache_than_a_short_one(tiny_chat, tmp_path, saves):
+    # a reply's start is marked (a copy of the cache) to be saved beside the conversation at its
+    # end; without a data folder nothing saved the marks, and each reply kept one more copy
+    # (~12 MiB a turn on the embedded model, 600 -> 1,400 MiB over a 60-turn chat)
+    import gc
+
+    from h2o_chat.chat import saved_kv
+    from h2o_chat.chat.timeline import MAX_SNAPSHOTS, Snapshot
+
+    model, tok = tiny_chat
+    session = ChatSession(model, tok, data_dir=tmp_path if saves else None, temperature=0, max_new_tokens=6,
+                          cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12))
+
+    def copies_after(turns):  # the process's Snapshots (other tests' may be alive too: a difference is read)
+        chat(session, turns)
+        saved_kv.flush()  # the states queued for the disk are written and let go
+        gc.collect()
+        return sum(isinstance(o, Snapshot) for o in gc.get_objects())
+
+    before = copies_after([])
+    after_ten = copies_after(USER_TURNS * 2)
+    # the timeline's (undo, regenerate), and with a data folder the disk writer's last job, which
+    # its thread still holds until the next one
+    assert after_ten - before <= MAX_SNAPSHOTS + saves
+    assert copies_after(USER_TURNS * 2) == after_ten
+
+
 def test_undo_then_regenerate_gives_the_same_greedy_reply(tiny_chat):
     model, tok = tiny_chat
     session = ChatSession(model, tok, cache=dict(policy="h2o", budget=40, n_sink=2, n_recent=12),

@@ -365,8 +365,8 @@ class ChatSession:
                 self.last_turn.finish, self.last_turn.end = "stop", time.perf_counter()
                 return
             self.timeline.mark()  # what regenerate returns to
-            if save_start:
-                self._marks.append(self.timeline.snapshots[-1])
+            if save_start and self.saved is not None and self.save_error is None:  # else nothing ever saves
+                self._marks.append(self.timeline.snapshots[-1])  # it, and each kept mark holds a copy of the cache
             self._reply = Reply(self, ban_stop_first, AUTOSAVE_EVERY_S)
             with self._reply as reply:  # close(): the reply's cleanup, however it ends
                 yield from reply.pieces()
