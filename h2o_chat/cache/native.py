@@ -3,7 +3,8 @@ CPU, over bf16 or 8-bit slots: the op `torch.ops.h2o_chat.attend_one`, which ste
 runs in place of its aten ops.
 
 Why: a decode step's attention on a CPU is small work in many launches; measured on the embedded
-model (2 cores, budget 512), these ops took ~100 us a layer, the C function ~60 (docs/engine.md).
+model (2 cores, budget 512), these ops took 82-130 us a layer, the C function 38, and a whole
+token 1.25x less time (docs/engine.md).
 
 How it gets here: at the first use in a process (a bf16 model's `Decoder`, made when the app
 starts), attend_one.c is compiled by the system's C compiler (`$CC`, else `cc`; ~1.5 s at -O3,
@@ -11,7 +12,7 @@ whose kernel is 1.2x -O2's) for this machine (-march=native) into a private temp
 folder, loaded with ctypes, and the folder removed (the loaded library stays mapped). Where there
 is no compiler, the compile fails, or the CPU is not x86-64 or ARM64, `attend_one()` is None, one
 log line says why, and the aten ops run; H2O_CHAT_NATIVE=0 chooses them (the same results within
-float32 rounding: tests/test_native.py).
+rounding: tests/test_native.py).
 
 The op is registered with torch (a schema that says which tensors it writes), so the profiler
 counts it as one op and torch.compile treats it as one opaque call.
