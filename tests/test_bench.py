@@ -45,6 +45,22 @@ def test_bench_decode(tiny_model_dir, play_text, tmp_path):
     assert (tmp_path / "decode-speed.png").stat().st_size > 0 and (tmp_path / "decode-memory.png").exists()
 
 
+def test_bench_decode_times_the_c_kernels_against_torch_s_ops(tiny_model_dir, play_text, tmp_path):
+    from h2o_chat import native
+    from h2o_chat.bench.decode import native_kernels
+
+    cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+              "decode", "--seen", "32", "--steps", "3", "--repeats", "2", "--budget", "16",
+              "--methods", "h2o+lean", "--quantization", "int4", "--dtype", "bfloat16", "--native", "on,off"])
+    rows = read_results(tmp_path, "decode", plot=False)["rows"]
+    assert sorted(r["native"] for r in rows) == ["off", "on"] and all(r["ms_per_token"] > 0 for r in rows)
+    with native_kernels(False):  # what an off arm's Decoder, steps and int4 layers see
+        assert native.attend_one() is None and native.rotate_one() is None and native.int4_mm() is None
+    with pytest.raises(SystemExit, match="--native takes on, off or on,off"):
+        cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
+                  "decode", "--seen", "32", "--native", "maybe"])
+
+
 def test_bench_prefill_speed_per_weights(tiny_model_dir, play_text, tmp_path):
     cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path), "prefill-speed",
               "--tokens", "40,100", "--dtypes", "float32", "--quantization", "none,int4", "--repeats", "2"])

@@ -1,4 +1,4 @@
-"""The native attention (cache/native.py, attend_one.c) computes what the aten ops it replaces do.
+"""The native kernels (native/: attend_one.c, int4_mm.c) compute what the aten ops they replace do.
 
 Where a bf16 model decodes on a CPU and a C compiler exists, a layer's decode step attends through
 one C function, over bf16 slots or 8-bit ones; H2O_CHAT_NATIVE=0 chooses the aten ops. Both round
@@ -15,8 +15,8 @@ import logging
 import pytest
 import torch
 
-from h2o_chat import H2OCache
-from h2o_chat.cache import kv_int8, native
+from h2o_chat import H2OCache, native
+from h2o_chat.cache import kv_int8
 from h2o_chat.cache.step import DecodeStep, StepRows, attend
 from h2o_chat.models.decode import Decoder
 from tests.conftest import make_tiny_llama
@@ -120,7 +120,7 @@ def test_the_aten_ops_run_where_there_is_no_compiler(monkeypatch, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="h2o_chat"):
             assert native.attend_one() is None
-        assert "attention runs as aten ops: no C compiler (/nonexistent/cc)" in caplog.text
+        assert "attention and int4 matmuls run as aten ops: no C compiler (/nonexistent/cc)" in caplog.text
         kv, acc = torch.zeros(2, 1, 2, 5, 16, dtype=torch.bfloat16), torch.zeros(2, 1, 2, 5)
         assert DecodeStep.over(kv, acc, None, 2, torch.bfloat16, 0.25).native is None
     finally:

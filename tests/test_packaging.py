@@ -67,11 +67,11 @@ def test_a_missing_asset_names_both_places_it_was_looked_for():
         ui.read_asset("nope.css")
 
 
-def test_the_package_ships_the_assets_folder_as_h2o_chat_assets_css_and_js_only_and_the_c_source():
+def test_the_package_ships_the_assets_folder_as_h2o_chat_assets_css_and_js_only_and_the_c_sources():
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "h2o_chat.assets" in setuptools["packages"]
     assert setuptools["package-dir"] == {"h2o_chat.assets": "assets"}
-    assert setuptools["package-data"] == {"h2o_chat.assets": ["*.css", "*.js"], "h2o_chat.cache": ["attend_one.c"]}
+    assert setuptools["package-data"] == {"h2o_chat.assets": ["*.css", "*.js"], "h2o_chat.native": ["*.c"]}
 
 
 def built_wheel(tmp_path):
@@ -95,17 +95,18 @@ def test_an_installed_package_finds_its_css_and_script(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         archive.extractall(tmp_path / "site")
-    assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js", "h2o_chat/cache/attend_one.c"} <= set(names)
+    assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js", "h2o_chat/native/attend_one.c", "h2o_chat/native/rotate_one.c",
+            "h2o_chat/native/int4_mm.c"} <= set(names)
     assert not [n for n in names if n.endswith(".png") or n.startswith("assets/")]  # the README's, not the app's
     # the unpacked wheel, first on the path, is what an installed h2o-chat imports, run from elsewhere
-    probe = ("import h2o_chat, h2o_chat.ui.page as ui; from h2o_chat.cache import native; print(native.SOURCE.is_file()); "
+    probe = ("import h2o_chat, h2o_chat.ui.page as ui; from h2o_chat import native; print(all(s.is_file() for s in native.SOURCES)); "
              "print(h2o_chat.__file__); print(len(ui.read_asset('app.css')), len(ui.read_asset('app.js')))")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     has_source, location, sizes = run.stdout.splitlines()[-3:]
-    assert has_source == "True"  # the native attention's C source, beside native.py
+    assert has_source == "True"  # the C sources, beside native/__init__.py
     assert location == str(tmp_path / "site" / "h2o_chat" / "__init__.py")
     css, js = (REPO / "assets" / "app.css").read_text(encoding="utf-8"), (REPO / "assets" / "app.js").read_text(
         encoding="utf-8")

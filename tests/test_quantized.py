@@ -149,28 +149,38 @@ def test_embedded_int4_lean_step_and_dynamic_cache(embedded_int4, embedded_int4_
     ids = tokenizer("Write one sentence about the sea.", return_tensors="pt").input_ids
     expected = greedy(model, ids, DynamicCache(), 24)
     got = greedy(model, ids, H2OCache(model, policy="h2o", budget=64, n_recent=32), 24)
-    assert torch.equal(got.sequences, expected.sequences)
     # The kernels read bf16 inputs: a float32 difference in attention can round an input to the
-    # next bf16 value, and 30 layers carry that on; the logits agree to a few bf16 steps
-    for a, b in zip(got.logits, expected.logits):
+    # next bf16 value, and 30 layers carry that on; the logits agree to a few bf16 steps at every
+    # token until the two texts part, which they do only where the best two tokens are that close
+    # (on this prompt at the 8th token through int4_mm, never through aten's kernel; on "Name
+    # three colours of the rainbow." the other way round: the 20th through aten's)
+    new = ids.shape[1]
+    for step, (a, b) in enumerate(zip(got.logits, expected.logits)):
         torch.testing.assert_close(a, b, atol=b.abs().max().item() / 2**5, rtol=0)
+        if got.sequences[0, new + step] != expected.sequences[0, new + step]:
+            break  # past here the two continue different texts
 
 
-def test_a_row_through_the_kernel_has_the_same_bits_however_it_is_called():
-    """Up to KERNEL_ROWS rows a projection is the kernel's: a row's bits depend neither on how many
-    rows share its call nor on q/k/v (gate/up) going through one fused call or separate ones, so
-    the lean step's fused matmuls are the model's own forward's separate ones."""
+def test_a_row_through_the_kernels_has_the_same_bits_however_it_is_called():
+    """Up to KERNEL_ROWS rows a projection is a kernel's: int4_mm's for one row (NATIVE_ROWS: a
+    decode step), aten's for more. Within each, a row's bits depend neither on how many rows share
+    its call nor on q/k/v (gate/up) going through one fused call or separate ones, so the lean
+    step's fused matmuls are the model's own forward's separate ones. Across the two, a row moves
+    by rounding: within a bf16 step of itself (2^-7) and 2^-12 of the largest."""
     model = quantized(make_tiny_llama(), "int4")
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(KERNEL_ROWS, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for fused, parts in ((attn.qkv_proj, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp.gate_up_proj, (mlp.gate_proj, mlp.up_proj))):
-        for rows in (x[:1], x):
+        for rows in (x[:1], x[:2], x):
             together = fused.module(rows)
             for part, (start, stop) in zip(parts, fused.spans):
                 assert torch.equal(together[:, start:stop], part(rows))
         for part in parts:
-            whole = part(x)
-            assert torch.equal(part(x[:1]), whole[:1]) and torch.equal(part(x[5:12]), whole[5:12])
+            whole = part(x).float()
+            assert torch.equal(part(x[:2]).float(), whole[:2]) and torch.equal(part(x[5:12]).float(), whole[5:12])
+            alone = part(x[:1]).float()
+            assert not torch.equal(alone, whole[:1]) or packed.NATIVE_ROWS == 0
+            assert ((alone - whole[:1]).abs() <= 2**-7 * whole[:1].abs() + 2**-12 * whole.abs().max()).all()
 
 
 def test_past_kernel_rows_a_layer_computes_with_its_weight_rounded_to_bf16():
@@ -259,8 +269,9 @@ def test_embedded_int4_session_and_generate_part_by_bf16_steps(embedded_int4_fp3
     with torch.no_grad():
         whole = model(ids, cache=H2OCache(model, policy="full"), logits_to_keep=1).logits[:, -1].float()
         for every_row_through_the_kernel in (False, True):
-            if every_row_through_the_kernel:
+            if every_row_through_the_kernel:  # int4_mm: a row's bits do not depend on its call
                 monkeypatch.setattr(packed, "KERNEL_ROWS", 10**6)
+                monkeypatch.setattr(packed, "NATIVE_ROWS", 10**6 if packed.native.int4_mm() is not None else 0)
                 whole_cache = H2OCache(model, policy="full")
                 whole = model(ids, cache=whole_cache, logits_to_keep=1).logits[:, -1].float()
             fed, fed_cache = fed_as_a_session_feeds_it(model, ids, replies)

@@ -196,6 +196,9 @@ def main(argv=None):
                         "a +lean suffix (h2o+lean) decodes through models/decode.py's lean step, as the app does")
     p.add_argument("--dtype", default="auto")
     quantization_flag(p, many=True)
+    p.add_argument("--native", type=name_list, default=["on"],
+                   help="on, off or on,off: the C kernels (native/) or torch's ops (H2O_CHAT_NATIVE=0) for each "
+                        "arm; both arms alternate in one process")
     add_quick(p, seen=[512, 2048], steps=8, repeats=1)
     p.set_defaults(run=decode.run)
 

@@ -12,7 +12,7 @@ A cache whose layers all have one capacity holds each kind as one buffer [layers
 layers' buffers are views of it, so the eviction runs once a token for every layer (`Eviction`).
 
 A decode step, per layer i (`step_layer`): the new key and value into the spare slot, `attend`
-(every slot, the scores: as aten ops, or for a bf16 model on a CPU one C function, native.py), and
+(every slot, the scores: as aten ops, or for a bf16 model on a CPU one C function, native/), and
 after the last layer `evict` (one victim per layer, row and head, the spare moved into it).
 """
 
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kv_int8, native
+from .. import native
+from . import kv_int8
 from .policy import heavy_score
 
 IDS, POS, KEY = range(3)  # rows of a layer's meta buffer
@@ -103,7 +104,7 @@ class DecodeStep:
     attention writes, made once (`over`). b rows, h KV heads, g query heads per KV head, cap =
     budget + 1 slots, d head_dim; acc is the score dtype. What the token then evicts is an
     `Eviction`'s, over this layer alone or over every layer of its cache at once. With `native`
-    (a bf16 model on a CPU: native.py) the attention is one op over `kv` (and `qp`), and the aten
+    (a bf16 model on a CPU: native/) the attention is one op over `kv` (and `qp`), and the aten
     ops' own buffers (logits, logits_acc, probs_low) are not made."""
 
     group: int
@@ -317,11 +318,13 @@ def step_layer(i, steps, evictions, keys, values, query, config, rows: StepRows)
     """Layer i of a decode step: its new keys and values [b, h, 1, d] into its spare slot, its
     attention (query [b, q_heads, 1, d] -> [b, 1, q_heads, d]), and the bookkeeping of its
     Eviction: `evictions` is [one over every layer] (prepared before layer 0, evicting after the
-    last) or one per layer (each prepared and evicting around its own layer)."""
+    last) or one per layer (each prepared and evicting around its own layer). keys and values None:
+    they are in the spare slot already (models/decode.py wrote them, rotating: native/rotate_one.c)."""
     e, alone = (evictions[i], True) if len(evictions) > 1 else (evictions[0], False)
     if alone or i == 0:
         e.prepare(rows, config)
-    steps[i].write_spare(keys, values)
+    if keys is not None:
+        steps[i].write_spare(keys, values)
     out = attend(steps[i], query, rows)
     if alone or i == len(steps) - 1:
         evict(e, config, rows)

@@ -9,6 +9,8 @@ This forward runs the same arithmetic, op for op (so its logits are bitwise thos
 
     x = embed[token]                                   [rows, hidden]
     per layer:  h = rms_norm(x) -> q, k, v (rotated) -> cache.attend -> x += o_proj(...)
+                (a bf16 model on a CPU: the rotation and the keys' and values' write into the
+                cache's spare slot are one op, native/rotate_one.c)
                 h = rms_norm(x) -> x += down(silu(gate(h)) * up(h))
     logits = lm_head(rms_norm(x))                      [rows, vocab]
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..cache import native
+from .. import native
 from ..cache.h2o import STATIC_ROPE_TYPES
 from .quantize import PACKED
 
@@ -76,8 +78,10 @@ class Decoder:
         self.embed = base.embed_tokens  # a module: a float table, or rows of a packed one
         self.lm_head = lean_call(model.lm_head, dtype)
         self.layers = [layer_calls(layer, self.head_dim, dtype) for layer in base.layers]
-        if dtype == torch.bfloat16 and self.norm.device.type == "cpu":
-            native.attend_one()  # compiled now (~1.5 s, once a process), not inside a reply's first token
+        # a bf16 model on a CPU: the rotation and the spare slot's writes as one op where the cache's
+        # step attends natively (native/rotate_one.c); asking compiles the C kernels now (~2 s, once
+        # a process), not inside a reply's first token
+        self.rotate = native.rotate_one() if dtype == torch.bfloat16 and self.norm.device.type == "cpu" else None
         self._scratch = {}  # rows -> Scratch: a Decoder runs one step at a time
         self._compiled = None  # layers_step compiled (`compile`), run for a cache with static shapes
 
@@ -135,8 +139,8 @@ class Decoder:
 
     def scratch(self, rows, device):
         """The norms' buffers for a step of `rows` rows, made at the first one."""
-        return self._scratch.get(rows) or self._scratch.setdefault(rows, Scratch.make(rows, self.hidden, self.norm.dtype,
-                                                                                     self.eps, device))
+        return self._scratch.get(rows) or self._scratch.setdefault(rows, Scratch.make(
+            rows, self.hidden, self.q_heads, self.head_dim, self.norm.dtype, self.eps, device))
 
     def layers_step(self, token_ids, positions, cache, scratch):
         """The tensor work of `step`, between the cache's `begin` and `end`: no host sync, no Python
@@ -146,15 +150,23 @@ class Decoder:
         x = self.embed(token_ids).view(rows, self.hidden)
         cos, sin_flip = self.rotation(positions, x.dtype)  # [rows, 1, 1, head_dim]
         halves = (rows, -1, 1, 2, d // 2)
+        steps = cache.decode_steps() if self.rotate is not None and cache.static_step else None
         for i, w in enumerate(self.layers):
             y = w.qkv(rms_norm(x, w.input_norm, scratch))
-            qk = (y[:, w.qk] if w.qk is not None else torch.cat((y[:, w.q], y[:, w.k]), dim=-1)).view(rows, -1, 1, d)
-            # queries and keys rotated together: one rotation's ops instead of two (elementwise: same
-            # bits). rotate_half(x) * sin is (-x2, x1) * sin: here (x2, x1) * (-sin, sin), the same
-            # products (a sign flip rounds symmetrically), in a flip instead of two slices, neg and cat
-            q, k = (qk * cos + qk.view(halves).flip(-2).view(qk.shape) * sin_flip).split(heads, 1)  # [rows, heads, 1, head_dim]
-            v = y[:, w.v].view(rows, -1, 1, d)
-            x = x + w.o(cache.attend(i, q, k, v, self.scaling).view(rows, -1))
+            step = steps[i] if steps is not None else None
+            if step is not None and step.native is not None and step.int8 is None and step.kv.shape[1] == rows:
+                # queries and keys rotated, keys and values into the spare slot: one op, the same bits
+                self.rotate(y, w.q.start, w.k.start, w.v.start, cos, sin_flip, scratch.query, step.kv)
+                attended = cache.attend(i, scratch.query, None, None, self.scaling)
+            else:
+                qk = (y[:, w.qk] if w.qk is not None else torch.cat((y[:, w.q], y[:, w.k]), dim=-1)).view(rows, -1, 1, d)
+                # queries and keys rotated together: one rotation's ops instead of two (elementwise: same
+                # bits). rotate_half(x) * sin is (-x2, x1) * sin: here (x2, x1) * (-sin, sin), the same
+                # products (a sign flip rounds symmetrically), in a flip instead of two slices, neg and cat
+                q, k = (qk * cos + qk.view(halves).flip(-2).view(qk.shape) * sin_flip).split(heads, 1)  # [rows, heads, 1, head_dim]
+                v = y[:, w.v].view(rows, -1, 1, d)
+                attended = cache.attend(i, q, k, v, self.scaling)
+            x = x + w.o(attended.view(rows, -1))
             gu = w.gate_up(rms_norm(x, w.post_norm, scratch))
             x = x + w.down(F.silu(gu[:, w.gate]) * gu[:, w.up])
         return self.lm_head(rms_norm(x, self.norm, scratch)).float()
@@ -173,17 +185,20 @@ class Decoder:
 class Scratch:
     """Buffers a step reuses for `rows` rows, so a norm's casts are one copy_ each where `.float()`
     and `.to(dtype)` are four ops (to, _to_copy, empty_strided, copy_), and its constants are
-    tensors already (a Python number becomes a tensor and is cast, four more ops each time)."""
+    tensors already (a Python number becomes a tensor and is cast, four more ops each time); and
+    where rotate_one writes the queries."""
 
     wide: torch.Tensor  # [rows, hidden] float32
     narrow: torch.Tensor  # [rows, hidden] the model's dtype
     count: torch.Tensor  # 0-d float32: hidden, what `mean` divides by
     eps: torch.Tensor  # 0-d float32: the norms' epsilon
+    query: torch.Tensor  # [rows, q_heads, 1, head_dim] the model's dtype: rotate_one's rotated queries
 
     @classmethod
-    def make(cls, rows, hidden, dtype, eps, device):
+    def make(cls, rows, hidden, q_heads, head_dim, dtype, eps, device):
         return cls(wide=torch.empty(rows, hidden, device=device), narrow=torch.empty(rows, hidden, dtype=dtype, device=device),
-                   count=torch.tensor(float(hidden), device=device), eps=torch.tensor(eps, dtype=torch.float32, device=device))
+                   count=torch.tensor(float(hidden), device=device), eps=torch.tensor(eps, dtype=torch.float32, device=device),
+                   query=torch.empty(rows, q_heads, 1, head_dim, dtype=dtype, device=device))
 
 
 def rms_norm(x, weight, s: Scratch):

@@ -2,7 +2,9 @@
 kernels (the ones gpt-fast uses):
 
     Int4Linear   w = (q - 8) * scale + zero, q in 0..15, one (scale, zero) per group of 32 inputs
-                 CPU: aten._weight_int4pack_mm_for_cpu; CUDA: aten._weight_int4pack_mm (tinygemm)
+                 CPU: one row (a decode step) torch.ops.h2o_chat.int4_mm (native/int4_mm.c, where
+                 it compiles), more aten._weight_int4pack_mm_for_cpu; CUDA: aten._weight_int4pack_mm
+                 (tinygemm)
     Int8Linear   w = q * scale, q in -128..127, one scale per output row: aten._weight_int8pack_mm
     PackedEmbedding  a token's row read out of an Int4Linear's packed weight (a tied lm_head's)
 
@@ -16,10 +18,11 @@ over the memory bandwidth; 4.5 bits a weight instead of 16. Why prefill is not d
 kernel: it dequantizes its weights again for every few rows (measured: 2.3x bf16's time at 256
 rows), so above `KERNEL_ROWS` rows a layer dequantizes its weight once and calls bf16 matmul.
 
-What that costs in exactness: a row's result depends on how many rows share its call. Up to
-KERNEL_ROWS it is the kernel's bits whatever the count, fused (q/k/v in one call) or not; past it,
-the weight is rounded to bf16 first (each weight by up to 2^-9 of itself), so the result moves by
-up to ~2^-8 of sum(|x| |w|). And every input is cast to bf16: a float32 difference of ~1e-7
+What that costs in exactness: a row's result depends on how many rows share its call. One row
+(NATIVE_ROWS: a decode step) is int4_mm's bits, 2 to KERNEL_ROWS rows aten's kernel's, each whatever
+the count and fused (q/k/v in one call) or not; the two differ by rounding (a bf16 step now and
+then). Past KERNEL_ROWS the weight is rounded to bf16 first (each weight by up to 2^-9 of itself),
+so the result moves by up to ~2^-8 of sum(|x| |w|). And every input is cast to bf16: a float32 difference of ~1e-7
 elsewhere (attention for one token against the same token inside a prefill) moves an input to
 the next bf16 value now and then, which float weights would carry on at ~1e-7. So the same tokens
 fed in different chunks (a ChatSession's turns: a reply one token a step, a message in a few rows;
@@ -36,12 +39,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .. import native
+
 GROUP = 32  # inputs sharing one (scale, zero): GGUF's block size, and the kernels' smallest group
 COMPUTE_DTYPE = torch.bfloat16  # the kernels' activations, scales and zeros
 # At most this many rows go through a kernel; more dequantize the weight for one bf16 matmul. The
 # crossovers measured on the embedded model's layers (prefill of 4-512 tokens, one thread):
 KERNEL_ROWS = 64  # int4: the kernel is faster than bf16 itself up to 64 rows, the dequantizing path from ~100
 INT8_KERNEL_ROWS = 24  # int8: at 32 rows the two take the same time, at 64 the kernel 1.35x longer
+# int4_mm.c runs a call of up to this many rows, aten's kernel more: on the embedded model's layers
+# (2 cores) a token's 121 int4 matmuls took 3.9-4.3 ms against aten's 5.2-5.4, while at 3 rows
+# int4_mm matched aten on the larger ones and was 1.2-1.3x slower on the small (docs/engine.md)
+NATIVE_ROWS = 1
 BLOCK_ROWS = 64  # the CPU kernel's weight layout holds rows in blocks of 64 (see pack_int4_cpu)
 PACK_ROWS = 4096  # rows packed at a time: bounds the memory a large matrix needs while it is packed
 # weight_t's constants as 0-dim tensors: a Python int would be wrapped into a tensor every call
@@ -240,27 +249,34 @@ class Int4Linear(nn.Module):
 
     def matmul(self, rows):
         """The kernel: rows bf16 [n, width] -> bf16 [n, out_pad]."""
-        if self.packed.device.type == "cpu":
-            # contiguous(): the CPU kernel reads a sliced (strided) scales tensor as if it were
-            # dense and returns wrong numbers without a word (fused.py's parts are slices)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_and_zeros.contiguous())
-        return torch.ops.aten._weight_int4pack_mm(rows, self.packed, GROUP, self.scales_and_zeros.contiguous())
+        # contiguous(): the CPU kernel reads a sliced (strided) scales tensor as if it were dense
+        # and returns wrong numbers without a word (fused.py's parts are slices)
+        return self.kernel()(rows, self.packed, self.scales_and_zeros.contiguous())
+
+    def kernel(self):
+        """The kernel as f(rows, packed, scales_and_zeros) -> [n, out_pad], chosen by rows."""
+        if self.packed.device.type != "cpu":
+            return lambda rows, packed, scales: torch.ops.aten._weight_int4pack_mm(rows, packed, GROUP, scales)
+        one_row, aten = native.int4_mm(), torch.ops.aten._weight_int4pack_mm_for_cpu
+        if one_row is None:
+            return lambda rows, packed, scales: aten(rows, packed, GROUP, scales)
+        return lambda rows, packed, scales: (one_row(rows, packed, scales) if rows.shape[0] <= NATIVE_ROWS
+                                             else aten(rows, packed, GROUP, scales))
 
     def lean(self, dtype):
         """This layer as one plain function for the lean decode step: rows [n, in_features] in
         `dtype` -> [n, out_features] in `dtype`, bias added. Everything that does not change per
         call (which kernel, casts, padding) is decided here."""
-        kernel = (torch.ops.aten._weight_int4pack_mm_for_cpu if self.packed.device.type == "cpu"
-                  else torch.ops.aten._weight_int4pack_mm)
+        kernel = self.kernel()
         packed, scales, bias, out = self.packed, self.scales_and_zeros.contiguous(), self.bias, self.out_features
         cast, pad = dtype != COMPUTE_DTYPE, self.repeats > 1 or self.width != self.in_features
         trim = scales.shape[1] != out  # the padded rows' columns are dropped
         if not (cast or pad or trim or bias is not None):
-            return lambda rows: kernel(rows, packed, GROUP, scales)
+            return lambda rows: kernel(rows, packed, scales)
 
         def call(rows):
             rows = rows.to(COMPUTE_DTYPE) if cast else rows
-            y = kernel(self.pad_input(rows) if pad else rows, packed, GROUP, scales)
+            y = kernel(self.pad_input(rows) if pad else rows, packed, scales)
             y = y[:, :out] if trim else y
             y = y if bias is None else y + bias
             return y.to(dtype) if cast else y

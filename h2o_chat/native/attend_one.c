@@ -17,7 +17,7 @@
  *
  * Plain C with GCC's and Clang's vector types, no intrinsics and no -ffast-math (which in a shared
  * library GCC 12 links with code that switches the whole process to flush-to-zero): every sum is in
- * an order written here. native.py compiles it for the machine it runs on (-O3 -march=native).
+ * an order written here. native/__init__.py compiles it for the machine it runs on (-O3 -march=native).
  *
  * Shapes: b rows, h KV heads, g query heads per KV head (at most 16), cap slots, d head_dim (a
  * multiple of 16, at most 256), head = row * h + KV head. Pointers are to contiguous memory unless a
