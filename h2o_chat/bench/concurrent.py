@@ -5,8 +5,10 @@ Two servers (app.py in their own processes, the same flags but --concurrency): "
 --concurrency max(sizes), where N clients stream at once and their decode steps share one batched
 forward; "one at a time" with --concurrency 1, where the same N chats run one after another. For
 each N the two arms run back to back (alternating which goes first), with the `openai` client,
-streamed and greedy, so both generate the same tokens. Chat i is MT-Bench question i: its turns
-in order, each resending the history.
+streamed and greedy. Chat i is MT-Bench question i: its turns in order, each resending the
+history. `same replies` says whether both arms wrote the same texts: on float weights they do;
+on int4 weights a row alone takes int4_mm and a batch's rows aten's kernel (packed.py), which
+round differently, so a reply can part where its best two tokens are that close.
 
 With --repeats R the pair of arms runs R times per N (alternating which goes first) and each
 figure is the median over the repeats: one run of a few seconds moves by 10-30% on a shared machine.

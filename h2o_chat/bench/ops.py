@@ -1,5 +1,5 @@
-"""`python -m h2o_chat.bench ops`: aten ops (and this project's own, h2o_chat::attend_one: one op
-each) and host syncs per decode token, after --seen tokens
+"""`python -m h2o_chat.bench ops`: aten ops (and this project's own, h2o_chat::attend_one, rotate_one
+and int4_mm: one op each) and host syncs per decode token, after --seen tokens
 (the profiler), for DynamicCache, h2o, full and the app's lean step ('+lean'), and where the time
 of a token goes: milliseconds per token without the profiler (the median of --steps), and the
 profiler's self time split into the weights' matmuls, the attention (its bmm, softmax and the
@@ -55,9 +55,9 @@ class SyncCounter:
 
 
 MATMULS = {"aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm",
-           "aten::mm", "aten::addmm"}
+           "aten::mm", "aten::addmm", "h2o_chat::int4_mm"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::baddbmm_", "aten::_softmax", "h2o_chat::attend_one"}
-OWN_OPS = "h2o_chat::"  # this project's own ops (cache/native.py): counted with aten's
+OWN_OPS = "h2o_chat::"  # this project's own ops (native/): counted with aten's
 # the profiler's records of compiled code (torch 2.13), by name: what a compiled step runs besides aten ops
 GUARDS = "TorchDynamo Cache Lookup"
 WRAPPER = "## Call CompiledFxGraph"  # a prefix: the graph's hash follows
