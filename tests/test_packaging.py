@@ -71,7 +71,7 @@ def test_the_package_ships_the_assets_folder_as_h2o_chat_assets_css_and_js_only_
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "h2o_chat.assets" in setuptools["packages"]
     assert setuptools["package-dir"] == {"h2o_chat.assets": "assets"}
-    assert setuptools["package-data"] == {"h2o_chat.assets": ["*.css", "*.js"], "h2o_chat.native": ["*.c"]}
+    assert setuptools["package-data"] == {"h2o_chat.assets": ["*.css", "*.js"], "h2o_chat.native": ["*.c", "*.h"]}
 
 
 def built_wheel(tmp_path):
@@ -95,7 +95,7 @@ def test_an_installed_package_finds_its_css_and_script(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         archive.extractall(tmp_path / "site")
-    assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js", "h2o_chat/native/attend_one.c", "h2o_chat/native/rotate_one.c",
+    assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js", "h2o_chat/native/attend_one.c", "h2o_chat/native/rotate_one.c", "h2o_chat/native/bf16.h",
             "h2o_chat/native/int4_mm.c"} <= set(names)
     assert not [n for n in names if n.endswith(".png") or n.startswith("assets/")]  # the README's, not the app's
     # the unpacked wheel, first on the path, is what an installed h2o-chat imports, run from elsewhere

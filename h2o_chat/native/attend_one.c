@@ -35,6 +35,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { LANES = 16, MAX_GROUP = 16, MAX_DIM = 256 };  /* sum_lanes is written for 16 lanes */
 enum { KEY_SCALE, VALUE_SCALE, KEY_ZERO, VALUE_ZERO };  /* qp's rows, as kv_int8.py */
 
@@ -47,25 +49,6 @@ typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint8_t bytes __attribute__((vector_size(LANES)));
 typedef float floats8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float floats4 __attribute__((vector_size(4 * sizeof(float))));
-
-static inline float bits_to_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float from_bf16(uint16_t x) { return bits_to_float((uint32_t)x << 16); }
-
-/* Round to nearest even, as torch's bf16 cast (a NaN stays a quiet NaN). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
 
 /* float16 to float32, exactly (scales and zero points are finite: kv_int8.py clamps them). */
 static inline float from_f16(uint16_t h) {

@@ -35,27 +35,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 enum { GROUP = 32, BLOCK = 64, HALF = 32, STEPS = GROUP / 4 };
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's bf16 cast (a NaN stays a quiet NaN). */
-static inline uint16_t bf16_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* A row of x, k inputs -> per group of 32: high and low codes (int8 [k] each), the step (max|x| /
  * 127 / 254) and the exact sum of x. */
@@ -173,7 +160,7 @@ int int4_mm(int n, int k, int out_pad, const uint16_t *x, int64_t x_stride, cons
             block(k, out_pad, b, packed + (size_t)b * BLOCK * (k / 2), pairs, codes + (size_t)2 * r * k,
                   codes + (size_t)(2 * r + 1) * k, numbers + (size_t)2 * r * groups, numbers + (size_t)(2 * r + 1) * groups, f);
             for (int i = 0; i < BLOCK; i++)
-                y[r * y_stride + (size_t)b * BLOCK + lane_row(i)] = bf16_of(f[i]);
+                y[r * y_stride + (size_t)b * BLOCK + lane_row(i)] = to_bf16(f[i]);
         }
     }
     free(codes);

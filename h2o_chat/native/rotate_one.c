@@ -21,27 +21,14 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-/* Round to nearest even, as torch's bf16 cast (a NaN stays a quiet NaN). */
-static inline uint16_t bf16_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin_flip, int d, uint16_t *out) {
     for (int i = 0; i < d; i++) {
-        float straight = from_bf16(bf16_of(from_bf16(x[i]) * from_bf16(cos[i])));
-        float turned = from_bf16(bf16_of(from_bf16(x[(i + d / 2) % d]) * from_bf16(sin_flip[i])));
-        out[i] = bf16_of(straight + turned);
+        float straight = from_bf16(to_bf16(from_bf16(x[i]) * from_bf16(cos[i])));
+        float turned = from_bf16(to_bf16(from_bf16(x[(i + d / 2) % d]) * from_bf16(sin_flip[i])));
+        out[i] = to_bf16(straight + turned);
     }
 }
 
