@@ -9,16 +9,18 @@
 
 Why: a decode step on a CPU is small work in many launches. Measured on the embedded model (2
 cores, budget 512): the attention's aten ops took 82-130 us a layer, attend_one 38, and a whole
-token 1.25x less time; a token's 121 int4 matmuls take 1.3x less time than aten's kernel's
+token 1.25x less time; rotate_one stands for ~18 aten ops a layer, and a token's 121
+int4 matmuls take 1.2-1.4x less time than aten's kernel's; a token, all three, 1.2-1.26x
 (docs/engine.md).
 
 How they get here: at the first use in a process (a bf16 model's `Decoder`, made when the app
-starts, or the first int4 layer), both files are compiled by the system's C compiler (`$CC`, else
+starts, or the first int4 layer), the C files are compiled by the system's C compiler (`$CC`, else
 `cc`; ~2 s at -O3) for this machine (-march=native) into one library in a private temporary
 folder, loaded with ctypes, and the folder removed (the loaded library stays mapped). Where there
-is no compiler, the compile fails, or the CPU is not x86-64 or ARM64, both ops are None, one log
+is no compiler, the compile fails, or the CPU is not x86-64 or ARM64, the ops are None, one log
 line says why, and the aten ops run; int4_mm is also None where the CPU has no AVX2. H2O_CHAT_NATIVE=0
-chooses the aten ops (the same results within rounding: tests/test_native.py).
+chooses the aten ops (the same results within rounding, rotate_one's bit for bit:
+tests/test_native.py, test_int4_mm.py, test_decode.py).
 
 Each op is registered with torch (a schema that says which tensors it writes), so the profiler
 counts it as one op and torch.compile treats it as one opaque call.
