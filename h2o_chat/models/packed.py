@@ -22,13 +22,14 @@ What that costs in exactness: a row's result depends on how many rows share its 
 (NATIVE_ROWS: a decode step) is int4_mm's bits, 2 to KERNEL_ROWS rows aten's kernel's, each whatever
 the count and fused (q/k/v in one call) or not; the two differ by rounding (a bf16 step now and
 then). Past KERNEL_ROWS the weight is rounded to bf16 first (each weight by up to 2^-9 of itself),
-so the result moves by up to ~2^-8 of sum(|x| |w|). And every input is cast to bf16: a float32 difference of ~1e-7
-elsewhere (attention for one token against the same token inside a prefill) moves an input to
-the next bf16 value now and then, which float weights would carry on at ~1e-7. So the same tokens
-fed in different chunks (a ChatSession's turns: a reply one token a step, a message in a few rows;
-model.generate: the whole history in one forward) part from the first layers on: on the embedded
-model by ~1% of the largest logit (a few bf16 steps; float32 activations), and greedy text can
-differ where two tokens are that close. Both causes are measured in tests/test_quantized.py.
+so the result moves by up to ~2^-8 of sum(|x| |w|). And every input is cast to bf16: a float32
+difference of ~1e-7 elsewhere (attention for one token against the same token inside a prefill)
+moves an input to the next bf16 value now and then, which float weights would carry on at ~1e-7.
+So the same tokens fed in different chunks (a ChatSession's turns: a reply one token a step, a
+message in a few rows; model.generate: the whole history in one forward) part from the first
+layers on: on the embedded model by ~1% of the largest logit (a few bf16 steps; float32
+activations), and greedy text can differ where two tokens are that close. Both causes are
+measured in tests/test_quantized.py.
 """
 
 from __future__ import annotations
