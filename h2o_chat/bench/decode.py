@@ -10,10 +10,10 @@ kernels (native/: attention, rotation, one-row int4 matmuls) against torch's ops
 an `off` arm runs everything, its setup included, with H2O_CHAT_NATIVE=0.
 """
 
-import contextlib
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 from tqdm import tqdm
@@ -39,19 +39,10 @@ def decode_step(model, method):
     return lambda token, cache: model(token, cache=cache).logits[:, -1:].argmax(-1)
 
 
-@contextlib.contextmanager
 def native_kernels(on):
     """H2O_CHAT_NATIVE as an arm wants it while its code runs (read when a Decoder, a layer's
-    DecodeStep or an int4 layer's kernel is made)."""
-    before = os.environ.get("H2O_CHAT_NATIVE")
-    os.environ["H2O_CHAT_NATIVE"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["H2O_CHAT_NATIVE"]
-        else:
-            os.environ["H2O_CHAT_NATIVE"] = before
+    DecodeStep or an int4 layer's kernel is made), then as it was."""
+    return mock.patch.dict(os.environ, H2O_CHAT_NATIVE="1" if on else "0")
 
 
 @torch.no_grad()

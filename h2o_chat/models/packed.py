@@ -252,7 +252,13 @@ class Int4Linear(nn.Module):
         """The kernel: rows bf16 [n, width] -> bf16 [n, out_pad]."""
         # contiguous(): the CPU kernel reads a sliced (strided) scales tensor as if it were dense
         # and returns wrong numbers without a word (fused.py's parts are slices)
-        return self.kernel()(rows, self.packed, self.scales_and_zeros.contiguous())
+        scales = self.scales_and_zeros.contiguous()
+        if self.packed.device.type != "cpu":
+            return torch.ops.aten._weight_int4pack_mm(rows, self.packed, GROUP, scales)
+        one_row = native.int4_mm() if rows.shape[0] <= NATIVE_ROWS else None  # asked only where it could run
+        if one_row is not None:
+            return one_row(rows, self.packed, scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, scales)
 
     def kernel(self):
         """The kernel as f(rows, packed, scales_and_zeros) -> [n, out_pad], chosen by rows."""
