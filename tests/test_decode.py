@@ -315,6 +315,23 @@ def test_a_decode_step_runs_no_more_ops_than_it_did(kv_quant, most):
     assert sum(e.name.startswith(("aten::", "h2o_chat::")) for e in prof.events()) <= most
 
 
+@pytest.mark.parametrize("budget,first_static_at", [(12, 0), (40, 0), (41, 6), (56, 7)])
+def test_a_small_budget_takes_the_step_from_the_first_token(budget, first_static_at, monkeypatch):
+    # a budget up to STATIC_ALWAYS takes the decode step as soon as its buffers are made; a larger
+    # one once an eighth of it is live (h2o.H2OCache.steps_static has the measurements)
+    import h2o_chat.cache.h2o as h2o
+
+    monkeypatch.setattr(h2o, "STATIC_ALWAYS", 40)
+    model = make_tiny_llama(torch.float32)
+    cache, decoder, took_step = H2OCache(model, budget=budget, n_sink=2, n_recent=4), Decoder(model), []
+    with torch.no_grad():
+        model(torch.arange(3)[None], cache=cache)
+        for t in range(4):
+            took_step.append(all(cache.steps_static()))
+            decoder.step(torch.tensor([[t]]), torch.tensor([cache.get_seq_length()]), cache)
+    assert took_step == [live >= first_static_at for live in range(3, 7)]
+
+
 @pytest.mark.parametrize("kv_quant", ["none", "int8"])
 def test_a_filling_layer_steps_as_the_general_path_computes(kv_quant, monkeypatch):
     # a layer below its budget takes the decode step with its free slots masked; forced onto the
@@ -328,6 +345,7 @@ def test_a_filling_layer_steps_as_the_general_path_computes(kv_quant, monkeypatc
 
     def run(static_from):
         monkeypatch.setattr(h2o, "STATIC_FROM", static_from)
+        monkeypatch.setattr(h2o, "STATIC_ALWAYS", 0)  # the budget alone does not decide here
         cache, decoder, logits, took_step = H2OCache(model, budget=12, n_sink=2, n_recent=4, kv_quant=kv_quant), Decoder(model), [], []
         with torch.no_grad():
             token = model(ids, cache=cache).logits[:, -1:].argmax(-1)

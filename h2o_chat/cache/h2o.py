@@ -70,7 +70,8 @@ from .step import (
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 GROWTH = 256  # slots an unbounded layer grows by
-STATIC_FROM = 8  # a layer filling up takes the decode step once 1/STATIC_FROM of its budget is live
+STATIC_FROM = 8  # a layer filling up takes the decode step once 1/STATIC_FROM of its budget is live,
+STATIC_ALWAYS = 4096  # or from its first token when its budget is at most this (`steps_static` says why)
 
 
 def pack_meta(meta, acc):
@@ -875,21 +876,26 @@ class H2OCache(Cache):
     def steps_static(self):
         """[layers] bools: the layer takes the decode step of static shapes, full or filling: its
         buffers hold exactly budget + 1 slots (a bounded layer's, allocated at its first input; a
-        restored state's may be smaller until it fills) and at least an eighth of them are live.
+        restored state's may be smaller until it fills), and its budget is at most STATIC_ALWAYS or
+        at least an eighth of it is live.
 
-        Why an eighth: the step attends over every slot, free ones masked, so its cost is the
-        budget's; the general path's grows with the live slots. Measured on the embedded model
-        (int4, 2 cores; arms alternating in one process), with the native attention (native.py)
-        the step wins from the first tokens: at budget 512 and 60 live, 10.7 against 17.6 ms; at
-        4096, 17.7 against 19.5 at 400 live and 18.0 against 23.6 at 800. Torch's ops alone
-        (`H2O_CHAT_NATIVE=0`) crossed near a quarter at 4096 (23.5 against 18.8 ms at 117 live,
-        23.2 against 29.7 at 2,048): an eighth loses a little there between 512 and ~950 live, and
-        a budget far larger than the chat so far stays on the general path in both."""
+        Why: the step runs over every slot, free ones masked, so part of its cost grows with the
+        budget (the C attention skips free slots; the eviction's ops and torch's attention do not);
+        the general path's grows with the live slots, but it runs ~40% more ops a token, outside
+        inference_mode and the C kernels. Measured on the embedded model (int4, 2 cores, 32-160
+        live, arms alternating token by token; 2026-12-07), the step against the general path:
+        8.1 against 15.4 ms a token at budget 512, 9.2 against 15.5 at 2,048, 10.8 against 16.5 at
+        4,096, 12.8 against 16.5 at 8,192; on torch's ops alone (`H2O_CHAT_NATIVE=0`: a float32
+        model, a GPU) 14.4 against 16.8 at 512, 22.4 against 17.6 at 4,096. So a budget up to
+        4,096 (the default is 512) takes the step from a chat's first token, and a larger one once
+        an eighth of it is live.
+        """
         lim = self.limits
         if lim is None or lim.budget is None:
             return [False] * len(self.layers)
         return [layer.kv is not None and layer.capacity == lim.layer(i).budget + 1
-                and STATIC_FROM * layer.n_slots >= lim.layer(i).budget for i, layer in enumerate(self.layers)]
+                and (lim.layer(i).budget <= STATIC_ALWAYS or STATIC_FROM * layer.n_slots >= lim.layer(i).budget)
+                for i, layer in enumerate(self.layers)]
 
     def next_token_kept(self):
         """The next token is never evicted: a sink of a short chat, or pinned (policy.never_evicted)."""

@@ -110,7 +110,7 @@ class Decoder:
             # buffers made outside it (the cache's, DecodeStep's, scratch) and allocates nothing
             # that outlives it, so no inference tensor ever reaches code that runs without it (an
             # in-place write to one there raises). The general path (a layer's first input
-            # allocates its buffers; one under an eighth of its budget) runs under no_grad.
+            # allocates its buffers; a large budget under an eighth full) runs under no_grad.
             with torch.inference_mode():
                 layers_step = self.layers_step if self._compiled is None else self._compiled
                 logits = layers_step(token_ids, positions, cache, scratch)

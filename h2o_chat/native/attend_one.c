@@ -205,8 +205,11 @@ static inline __attribute__((always_inline)) void attend_head(
         }
         query_sum[j] = sum_lanes(sums);
     }
-    /* dot products: each slot's key read once for the g queries */
+    /* dot products: each slot's key read once for the g queries; a free slot's is skipped (its
+     * logit is -inf: `logits` writes it), so a filling layer costs its live slots, not its budget */
     for (int c = 0; c < cap; c++) {
+        if (empty && empty[c])
+            continue;
         load_slot(row, keys, c, d, codes);
         for (int j = 0; j < g; j++) {
             floats lanes = q[j][0] * row[0];
@@ -253,6 +256,8 @@ static inline __attribute__((always_inline)) void attend_head(
         for (int v = 0; v < n; v++)
             acc[j][v] = (floats){0};
     for (int c = 0; c < cap; c++) {
+        if (empty && empty[c])
+            continue;  /* its probability is 0 */
         load_slot(row, values, c, d, codes);
         for (int j = 0; j < g; j++) {
             float p = probs[j * cap + c];
