@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from h2o_chat import native
 from h2o_chat.bench import kquants
 from h2o_chat.models import load as load_mod
 from h2o_chat.models import packed as packed_mod
@@ -205,11 +206,17 @@ def codes_first_weight(layer):
     return w[:, :layer.in_features]
 
 
+@pytest.mark.parametrize("in_c", [True, False], ids=["dequant_int4.c", "torch ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_forward_past_kernel_rows_is_the_codes_first_matmul_bit_for_bit(dtype):
+def test_a_forward_past_kernel_rows_is_the_codes_first_matmul_bit_for_bit(dtype, in_c, monkeypatch):
     """A forward of more than KERNEL_ROWS rows dequantizes W.T straight out of the packed bytes
-    (Int4Linear.weight_t): its result is bf16 x @ W.T with the codes-first weight, bit for bit,
-    for rows padded to 64, inputs padded to 32, a bias, two Q8_0 halves and a fused part."""
+    (Int4Linear.weight_t: one C function, or torch's ops): its result is bf16 x @ W.T with the
+    codes-first weight, bit for bit, for rows padded to 64, inputs padded to 32, a bias, two Q8_0
+    halves and a fused part."""
+    monkeypatch.setenv("H2O_CHAT_NATIVE", "1" if in_c else "0")
+    if in_c and native.dequant_int4() is None:
+        pytest.skip("no C compiler here")
+    assert (native.dequant_int4() is not None) == in_c
     gen = torch.Generator().manual_seed(11)
     halves = Int4Linear.from_codes(*repack("Q8_0", gguf.quants.quantize(
         torch.randn(130, 96, generator=gen).numpy(), Q.Q8_0)), 96, torch.randn(130, generator=gen), repeats=2)

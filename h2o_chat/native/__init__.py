@@ -6,12 +6,14 @@
                   (models/decode.py's step): torch.ops.h2o_chat.rotate_one
     int4_mm.c     one row times a 4-bit weight in torch's CPU layout (models/packed.py's Int4Linear):
                   torch.ops.h2o_chat.int4_mm
+    dequant_int4.c  a 4-bit weight as bf16 W.T for a prefill's matmul (Int4Linear.weight_t), the
+                  same bits as torch's ops: torch.ops.h2o_chat.dequant_int4
 
 Why: a decode step on a CPU is small work in many launches. Measured on the embedded model (2
 cores, budget 512): the attention's aten ops took 82-130 us a layer, attend_one 38, and a whole
 token 1.25x less time; rotate_one stands for ~18 aten ops a layer, and a token's 121
-int4 matmuls take 1.2-1.4x less time than aten's kernel's; a token, all three, 1.2-1.26x
-(docs/engine.md).
+int4 matmuls take 1.2-1.4x less time than aten's kernel's; a token, all three, 1.2-1.26x; a 4-bit
+weight's dequantization for a prefill 2-5x (docs/engine.md).
 
 How they get here: at the first use in a process (a bf16 model's `Decoder`, made when the app
 starts, or the first int4 layer), the C files are compiled by the system's C compiler (`$CC`, else
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("attend_one.c", "rotate_one.c", "int4_mm.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("attend_one.c", "rotate_one.c", "int4_mm.c", "dequant_int4.c")]
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]  # no -ffast-math: see attend_one.c
 LIBRARIES = ["-lm"]
 OPENMP = "-fopenmp"  # heads in parallel on torch's own OpenMP threads; a compiler without it builds one thread
@@ -56,6 +58,7 @@ class Ops:
     attend_one: object
     rotate_one: object
     int4_mm: object | None
+    dequant_int4: object
 
 
 def attend_one():
@@ -75,6 +78,12 @@ def int4_mm():
     """torch.ops.h2o_chat.int4_mm.default, or None (as attend_one, or a CPU without AVX2)."""
     ops = _ops()
     return None if ops is None else ops.int4_mm
+
+
+def dequant_int4():
+    """torch.ops.h2o_chat.dequant_int4.default, or None (as attend_one)."""
+    ops = _ops()
+    return None if ops is None else ops.dequant_int4
 
 
 def _ops():
@@ -132,7 +141,8 @@ def compiled(extra_flags=()):
                                    ptr, i64, ptr, ptr]
     library.rotate_one.argtypes = [i32, i32, i32, i32, i32, ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     library.int4_mm.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, ptr, i64]
-    library.attend_one.restype = library.rotate_one.restype = library.int4_mm.restype = i32
+    library.dequant_int4.argtypes = [i32, i32, ptr, ptr, ptr]
+    library.attend_one.restype = library.rotate_one.restype = library.int4_mm.restype = library.dequant_int4.restype = i32
     return library
 
 
@@ -157,9 +167,12 @@ def register(library):
         _torch_library.define("int4_mm(Tensor x, Tensor packed, Tensor scales_and_zeros) -> Tensor")
         _torch_library.impl("int4_mm", run_int4_mm, "CPU")
         _torch_library.impl("int4_mm", lambda x, packed, sz: x.new_empty(x.shape[0], packed.shape[0]), "Meta")
+        _torch_library.define("dequant_int4(Tensor packed, Tensor scales_and_zeros) -> Tensor")
+        _torch_library.impl("dequant_int4", run_dequant_int4, "CPU")
+        _torch_library.impl("dequant_int4", lambda packed, sz: sz.new_empty(packed.shape[1] * 2, packed.shape[0]), "Meta")
     has_avx2 = library.int4_mm(0, 0, 0, None, 0, None, None, None, 0) != 1  # 1: built without AVX2
     return Ops(torch.ops.h2o_chat.attend_one.default, torch.ops.h2o_chat.rotate_one.default,
-               torch.ops.h2o_chat.int4_mm.default if has_avx2 else None)
+               torch.ops.h2o_chat.int4_mm.default if has_avx2 else None, torch.ops.h2o_chat.dequant_int4.default)
 
 
 def run_attend_one(query, kv, qp, scores, weights, empty, scale, probs, out):
@@ -207,6 +220,19 @@ def run_int4_mm(x, packed, scales_and_zeros):
     if status != 0:
         raise ValueError(f"int4_mm: unsupported shapes {tuple(x.shape)} x {tuple(packed.shape)} (status {status})")
     return out
+
+
+def run_dequant_int4(packed, scales_and_zeros):
+    """The op on a CPU: packed uint8 [out_pad, width / 2] in torch's CPU layout, scales_and_zeros
+    bf16 [width / 32, out_pad, 2] -> W.T [width, out_pad] bf16: Int4Linear.weight_t's result."""
+    out_pad, width = packed.shape[0], packed.shape[1] * 2
+    if (packed.dtype != torch.uint8 or scales_and_zeros.dtype != torch.bfloat16 or not packed.is_contiguous()
+            or not scales_and_zeros.is_contiguous() or tuple(scales_and_zeros.shape) != (width // 32, out_pad, 2)):
+        raise ValueError("dequant_int4: a contiguous packed uint8 weight and its bf16 [width / 32, out_pad, 2] pairs")
+    wt = torch.empty(width, out_pad, dtype=torch.bfloat16)
+    if _c.dequant_int4(out_pad, width, packed.data_ptr(), scales_and_zeros.data_ptr(), wt.data_ptr()) != 0:
+        raise ValueError(f"dequant_int4: unsupported shape {tuple(packed.shape)}")
+    return wt
 
 
 def serves(kv, qp, dtype, group):
