@@ -92,6 +92,13 @@ static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *p
         __m256i acc[8], rest[8];
         for (int v = 0; v < 8; v++)
             acc[v] = rest[v] = _mm256_setzero_si256();
+        /* the next block's pairs of this group, 256 bytes a group row (out_pad * 4 bytes) apart: k / 32
+         * such streams are more than the hardware prefetcher follows, so they are asked for here */
+        if (b + 1 < out_pad / BLOCK) {
+            const char *next = (const char *)(pairs_all + ((size_t)g * out_pad + (size_t)(b + 1) * BLOCK) * 2);
+            for (int line = 0; line < 4; line++)
+                _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+        }
         const uint8_t *p = w + (size_t)g * GROUP * HALF;
         for (int s = 0; s < STEPS; s++, p += 4 * HALF) {
             /* inputs 4s..4s+3 of the group: their bytes transposed so a lane holds a row's four */
