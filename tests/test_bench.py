@@ -243,6 +243,11 @@ def test_bench_ops_counts_ops_and_the_one_streaming_sync(tiny_model_dir, play_te
 
 @pytest.mark.slow
 def test_bench_ops_splits_a_compiled_steps_time_into_guards_wrapper_and_kernels(tiny_model_dir, play_text, tmp_path):
+    import torch
+
+    # a fresh process's compile limits: other tests' compiled steps (test_decode.py) share the step's
+    # code object, and past dynamo's recompile limit it would run eagerly
+    torch._dynamo.reset()
     cli.main(["--model", str(tiny_model_dir), "--text", str(play_text), "--out", str(tmp_path),
               "ops", "--seen", "40", "--steps", "3", "--budget", "16", "--dtype", "fp32", "--methods", "h2o+lean,h2o+compiled"])
     rows = {r["method"]: r for r in read_results(tmp_path, "ops", plot=False)["rows"]}
