@@ -314,8 +314,9 @@ class Int4Linear(nn.Module):
         run fills a 32-weight run of W.T's row, and the scales broadcast along out_pad weights
         (along W's rows they would be runs of 32: the product and the sum took ~1.3x as long)."""
         out_pad, width, half = self.packed.shape[0], self.width, BLOCK_ROWS // 2
-        in_c = native.dequant_int4() if dtype == torch.bfloat16 else None  # the same bits in one pass
-        if in_c is not None:
+        cpu = self.packed.device.type == "cpu" and self.packed.is_contiguous()
+        in_c = native.dequant_int4() if dtype == torch.bfloat16 and cpu else None
+        if in_c is not None:  # the same bits in one pass (native/dequant_int4.c)
             wt = in_c(self.packed, self.scales_and_zeros.contiguous())
             wt = wt.view(self.repeats, -1, out_pad).sum(0) if self.repeats > 1 else wt
             return wt[:self.in_features]

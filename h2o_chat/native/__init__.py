@@ -63,7 +63,7 @@ class Ops:
 
 
 def attend_one():
-    """torch.ops.h2o_chat.attend_one.default, or None: H2O_CHAT_NATIVE=0 is set (read at each call: a
+    """torch.ops.h2o_chat.attend_one.default as `direct` calls it, or None: H2O_CHAT_NATIVE=0 is set (read at each call: a
     cache makes its layers' steps once, not once a token), or the library is not available."""
     ops = _ops()
     return None if ops is None else ops.attend_one
@@ -82,7 +82,7 @@ def int4_mm():
 
 
 def dequant_int4():
-    """torch.ops.h2o_chat.dequant_int4.default, or None (as attend_one)."""
+    """torch.ops.h2o_chat.dequant_int4.default as `direct` calls it, or None (as attend_one)."""
     ops = _ops()
     return None if ops is None else ops.dequant_int4
 
@@ -182,8 +182,9 @@ def direct(op, run):
     """The registered `op` as a plain function that eager code calls without torch's dispatcher:
     `run`, its CPU implementation, straight away (~2.3 us less a call, against 8.3 through the
     dispatcher for a small int4 matmul; 121 int4 matmuls and 60 other calls a token: a token of
-    the embedded model 1.06-1.07x faster, docs/engine.md). While torch.compile traces, the op itself (opaque, with its Meta shapes); under the
-    profiler, `run` inside a record_function named as the op, so `bench ops` still counts it."""
+    the embedded model 1.06-1.07x faster, docs/engine.md). While torch.compile traces, the op
+    itself (opaque, with its Meta shapes); under the profiler, `run` inside a record_function
+    named as the op, so `bench ops` still counts it."""
     name = op.name()
 
     def call(*args):
