@@ -155,3 +155,21 @@ def test_eager_code_calls_a_kernel_as_its_op_computes_and_the_profiler_and_compi
         assert [e.name for e in prof.events()].count(call.op.name()) == 1
         compiled = torch.compile(lambda *a, call=call: call(*a) * 1, fullgraph=True, backend="aot_eager")
         assert torch.equal(compiled(*args), call.op(*args))
+
+
+@needs_native
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (4, 576), (3, 64), (1, 2048)])
+def test_a_norms_steps_after_its_sum_are_torchs_bits(rows, hidden):
+    # rms_tail.c against decode.rms_norm's torch ops, on random rows, sums and a random weight (a
+    # test model's norm weights are all ones, where a dropped rounding before the weight's product
+    # would not show); large and tiny magnitudes, so the float32 and bf16 roundings all happen
+    from h2o_chat.models.decode import Scratch, rms_norm
+
+    g = torch.Generator().manual_seed(rows * 7 + hidden)
+    x = (torch.randn(rows, hidden, generator=g) * torch.logspace(-3, 3, rows)[:, None]).to(torch.bfloat16)
+    weight = (1 + 0.3 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
+    s = Scratch.make(rows, hidden, 1, 16, torch.bfloat16, 1e-5, "cpu")
+    expected = rms_norm(x, weight, s).clone()
+    tail = native.rms_tail()
+    got = rms_norm(x, weight, s, lambda x32, sum_sq, w, out: tail(x32, sum_sq, w, float(hidden), 1e-5, out))
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))

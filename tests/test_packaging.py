@@ -96,7 +96,7 @@ def test_an_installed_package_finds_its_css_and_script(tmp_path):
         names = archive.namelist()
         archive.extractall(tmp_path / "site")
     assert {"h2o_chat/assets/app.css", "h2o_chat/assets/app.js", "h2o_chat/native/attend_one.c", "h2o_chat/native/rotate_one.c", "h2o_chat/native/bf16.h",
-            "h2o_chat/native/int4_mm.c", "h2o_chat/native/dequant_int4.c"} <= set(names)
+            "h2o_chat/native/int4_mm.c", "h2o_chat/native/dequant_int4.c", "h2o_chat/native/rms_tail.c"} <= set(names)
     assert not [n for n in names if n.endswith(".png") or n.startswith("assets/")]  # the README's, not the app's
     # the unpacked wheel, first on the path, is what an installed h2o-chat imports, run from elsewhere
     probe = ("import h2o_chat, h2o_chat.ui.page as ui; from h2o_chat import native; print(all(s.is_file() for s in native.SOURCES)); "

@@ -81,7 +81,11 @@ class Decoder:
         # a bf16 model on a CPU: the rotation and the spare slot's writes as one op where the cache's
         # step attends natively (native/rotate_one.c); asking compiles the C kernels now (~2 s, once
         # a process), not inside a reply's first token
-        self.rotate = native.rotate_one() if dtype == torch.bfloat16 and self.norm.device.type == "cpu" else None
+        cpu_bf16 = dtype == torch.bfloat16 and self.norm.device.type == "cpu"
+        self.rotate = native.rotate_one() if cpu_bf16 else None
+        tail, count, eps = native.rms_tail() if cpu_bf16 else None, float(self.hidden), float(self.eps)
+        # and a norm's steps after its sum of squares (native/rms_tail.c): rms_norm's `tail`
+        self.norm_tail = None if tail is None else (lambda x32, sum_sq, weight, out: tail(x32, sum_sq, weight, count, eps, out))
         self._scratch = {}  # rows -> Scratch: a Decoder runs one step at a time
         self._compiled = None  # layers_step compiled (`compile`), run for a cache with static shapes
 
@@ -152,7 +156,7 @@ class Decoder:
         halves = (rows, -1, 1, 2, d // 2)
         steps = cache.decode_steps() if self.rotate is not None and cache.static_step else None
         for i, w in enumerate(self.layers):
-            y = w.qkv(rms_norm(x, w.input_norm, scratch))
+            y = w.qkv(rms_norm(x, w.input_norm, scratch, self.norm_tail))
             step = steps[i] if steps is not None else None
             if step is not None and step.native is not None and step.int8 is None and step.kv.shape[1] == rows:
                 # queries and keys rotated, keys and values into the spare slot: one op, the same bits
@@ -167,9 +171,9 @@ class Decoder:
                 v = y[:, w.v].view(rows, -1, 1, d)
                 attended = cache.attend(i, q, k, v, self.scaling)
             x = x + w.o(attended.view(rows, -1))
-            gu = w.gate_up(rms_norm(x, w.post_norm, scratch))
+            gu = w.gate_up(rms_norm(x, w.post_norm, scratch, self.norm_tail))
             x = x + w.down(F.silu(gu[:, w.gate]) * gu[:, w.up])
-        return self.lm_head(rms_norm(x, self.norm, scratch)).float()
+        return self.lm_head(rms_norm(x, self.norm, scratch, self.norm_tail)).float()
 
     def rotation(self, positions, dtype):
         """RoPE's cos, and sin with its first half negated, for the new tokens, [rows, 1, 1, head_dim],
@@ -201,12 +205,17 @@ class Scratch:
                    query=torch.empty(rows, q_heads, 1, head_dim, dtype=dtype, device=device))
 
 
-def rms_norm(x, weight, s: Scratch):
+def rms_norm(x, weight, s: Scratch, tail=None):
     """LlamaRMSNorm's bits, x [rows, hidden]: in float32, back to the model's dtype before the
     weight. Its `mean` is `sum` then `div_` by the count on a CPU, x.pow(2) is x * x, and the
     in-place ops round as the out-of-place ones (tests/test_decode.py holds this to the model's
-    bits); 10 ops instead of 26."""
+    bits); 10 ops instead of 26. With `tail` (a bf16 model on a CPU: Decoder.norm_tail) the steps
+    after the sum are one op writing s.narrow, which is returned: 4 ops (the caller's matmul reads
+    it before the next norm writes it again)."""
     x32 = s.wide.copy_(x)
+    if tail is not None:
+        tail(x32, (x32 * x32).sum(-1), weight, s.narrow)
+        return s.narrow
     variance = (x32 * x32).sum(-1, keepdim=True).div_(s.count)
     return weight * s.narrow.copy_(x32.mul_(variance.add_(s.eps).rsqrt_()))
 

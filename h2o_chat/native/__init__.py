@@ -8,12 +8,15 @@
                   torch.ops.h2o_chat.int4_mm
     dequant_int4.c  a 4-bit weight as bf16 W.T for a prefill's matmul (Int4Linear.weight_t), the
                   same bits as torch's ops: torch.ops.h2o_chat.dequant_int4
+    rms_tail.c    a bf16 RMSNorm's steps after the sum of squares (models/decode.py's rms_norm),
+                  the same bits: torch.ops.h2o_chat.rms_tail
 
 Why: a decode step on a CPU is small work in many launches. Measured on the embedded model (2
 cores, budget 512): the attention's aten ops took 82-130 us a layer, attend_one 38, and a whole
 token 1.25x less time; rotate_one stands for ~18 aten ops a layer, and a token's 121
-int4 matmuls take 1.2-1.4x less time than aten's kernel's; a token, all three, 1.2-1.26x; a 4-bit
-weight's dequantization for a prefill 2-5x (docs/engine.md).
+int4 matmuls take 1.2-1.4x less time than aten's kernel's; a token, all three, 1.2-1.26x;
+rms_tail stands for 6 aten ops a norm (1.03x a token); a 4-bit weight's dequantization for a
+prefill 2-5x (docs/engine.md).
 
 How they get here: at the first use in a process (a bf16 model's `Decoder`, made when the app
 starts, or the first int4 layer), the C files are compiled by the system's C compiler (`$CC`, else
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("attend_one.c", "rotate_one.c", "int4_mm.c", "dequant_int4.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("attend_one.c", "rotate_one.c", "int4_mm.c", "dequant_int4.c", "rms_tail.c")]
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]  # no -ffast-math: see attend_one.c
 LIBRARIES = ["-lm"]
 OPENMP = "-fopenmp"  # heads in parallel on torch's own OpenMP threads; a compiler without it builds one thread
@@ -60,6 +63,7 @@ class Ops:
     rotate_one: object
     int4_mm: object | None
     dequant_int4: object
+    rms_tail: object
 
 
 def attend_one():
@@ -85,6 +89,12 @@ def dequant_int4():
     """torch.ops.h2o_chat.dequant_int4.default as `direct` calls it, or None (as attend_one)."""
     ops = _ops()
     return None if ops is None else ops.dequant_int4
+
+
+def rms_tail():
+    """torch.ops.h2o_chat.rms_tail.default as `direct` calls it, or None (as attend_one)."""
+    ops = _ops()
+    return None if ops is None else ops.rms_tail
 
 
 def _ops():
@@ -143,6 +153,8 @@ def compiled(extra_flags=()):
     library.rotate_one.argtypes = [i32, i32, i32, i32, i32, ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     library.int4_mm.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, ptr, i64]
     library.dequant_int4.argtypes = [i32, i32, ptr, ptr, ptr]
+    library.rms_tail.argtypes = [i32, i32, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr]
+    library.rms_tail.restype = None
     library.attend_one.restype = library.rotate_one.restype = library.int4_mm.restype = library.dequant_int4.restype = i32
     return library
 
@@ -171,11 +183,14 @@ def register(library):
         _torch_library.define("dequant_int4(Tensor packed, Tensor scales_and_zeros) -> Tensor")
         _torch_library.impl("dequant_int4", run_dequant_int4, "CPU")
         _torch_library.impl("dequant_int4", lambda packed, sz: sz.new_empty(packed.shape[1] * 2, packed.shape[0]), "Meta")
+        _torch_library.define("rms_tail(Tensor x, Tensor sum_sq, Tensor weight, float count, float eps, Tensor(a!) out) -> ()")
+        _torch_library.impl("rms_tail", run_rms_tail, "CPU")
+        _torch_library.impl("rms_tail", lambda *args: None, "Meta")
     has_avx2 = library.int4_mm(0, 0, 0, None, 0, None, None, None, 0) != 1  # 1: built without AVX2
     ops = torch.ops.h2o_chat
     return Ops(direct(ops.attend_one.default, run_attend_one), direct(ops.rotate_one.default, run_rotate_one),
                direct(ops.int4_mm.default, run_int4_mm) if has_avx2 else None,
-               direct(ops.dequant_int4.default, run_dequant_int4))
+               direct(ops.dequant_int4.default, run_dequant_int4), direct(ops.rms_tail.default, run_rms_tail))
 
 
 def direct(op, run):
@@ -256,6 +271,17 @@ def run_dequant_int4(packed, scales_and_zeros):
     if _c.dequant_int4(out_pad, width, packed.data_ptr(), scales_and_zeros.data_ptr(), wt.data_ptr()) != 0:
         raise ValueError(f"dequant_int4: unsupported shape {tuple(packed.shape)}")
     return wt
+
+
+def run_rms_tail(x, sum_sq, weight, count, eps, out):
+    """The op on a CPU: x [rows, hidden] float32 and sum_sq [rows] float32 (each row's sum of
+    squares), weight [hidden] bf16 -> out [rows, hidden] bf16, all dense: rms_tail.c's arguments."""
+    rows, hidden = x.shape
+    if (x.dtype != torch.float32 or sum_sq.dtype != torch.float32 or weight.dtype != torch.bfloat16
+            or out.dtype != torch.bfloat16 or sum_sq.numel() != rows or weight.numel() != hidden or out.shape != x.shape
+            or not (x.is_contiguous() and sum_sq.is_contiguous() and weight.is_contiguous() and out.is_contiguous())):
+        raise ValueError("rms_tail: dense float32 rows and sums, a bf16 weight and output of the rows' shape")
+    _c.rms_tail(rows, hidden, x.data_ptr(), sum_sq.data_ptr(), count, eps, weight.data_ptr(), out.data_ptr())
 
 
 def serves(kv, qp, dtype, group):
