@@ -83,8 +83,11 @@ class Decoder:
         # a process), not inside a reply's first token
         cpu_bf16 = dtype == torch.bfloat16 and self.norm.device.type == "cpu"
         self.rotate = native.rotate_one() if cpu_bf16 else None
-        tail, count, eps = native.rms_tail() if cpu_bf16 else None, float(self.hidden), float(self.eps)
-        # and a norm's steps after its sum of squares (native/rms_tail.c): rms_norm's `tail`
+        # and a norm's steps after its sum of squares (native/rms_tail.c): rms_norm's `tail`, where
+        # every norm's weight is bf16 (a float32 one would make the torch ops' result float32)
+        norms = [self.norm] + [w.input_norm for w in self.layers] + [w.post_norm for w in self.layers]
+        plain = all(n.dtype == torch.bfloat16 and n.is_contiguous() for n in norms)
+        tail, count, eps = native.rms_tail() if cpu_bf16 and plain else None, float(self.hidden), float(self.eps)
         self.norm_tail = None if tail is None else (lambda x32, sum_sq, weight, out: tail(x32, sum_sq, weight, count, eps, out))
         self._scratch = {}  # rows -> Scratch: a Decoder runs one step at a time
         self._compiled = None  # layers_step compiled (`compile`), run for a cache with static shapes
