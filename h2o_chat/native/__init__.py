@@ -67,34 +67,35 @@ class Ops:
 
 
 def attend_one():
-    """torch.ops.h2o_chat.attend_one.default as `direct` calls it, or None: H2O_CHAT_NATIVE=0 is set (read at each call: a
-    cache makes its layers' steps once, not once a token), or the library is not available."""
-    ops = _ops()
-    return None if ops is None else ops.attend_one
+    """torch.ops.h2o_chat.attend_one.default as `direct` calls it, or None: H2O_CHAT_NATIVE=0 is set
+    (read at each call: a cache makes its layers' steps once, not once a token), or the library is
+    not available. The other getters below alike."""
+    return _op("attend_one")
 
 
 def rotate_one():
-    """torch.ops.h2o_chat.rotate_one.default, or None (as attend_one)."""
-    ops = _ops()
-    return None if ops is None else ops.rotate_one
+    """torch.ops.h2o_chat.rotate_one.default, or None."""
+    return _op("rotate_one")
 
 
 def int4_mm():
-    """torch.ops.h2o_chat.int4_mm.default, or None (as attend_one, or a CPU without AVX2)."""
-    ops = _ops()
-    return None if ops is None else ops.int4_mm
+    """torch.ops.h2o_chat.int4_mm.default, or None (also on a CPU without AVX2)."""
+    return _op("int4_mm")
 
 
 def dequant_int4():
-    """torch.ops.h2o_chat.dequant_int4.default as `direct` calls it, or None (as attend_one)."""
-    ops = _ops()
-    return None if ops is None else ops.dequant_int4
+    """torch.ops.h2o_chat.dequant_int4.default, or None."""
+    return _op("dequant_int4")
 
 
 def rms_tail():
-    """torch.ops.h2o_chat.rms_tail.default as `direct` calls it, or None (as attend_one)."""
+    """torch.ops.h2o_chat.rms_tail.default, or None."""
+    return _op("rms_tail")
+
+
+def _op(name):
     ops = _ops()
-    return None if ops is None else ops.rms_tail
+    return None if ops is None else getattr(ops, name)
 
 
 def _ops():
