@@ -160,6 +160,14 @@ def kernel_missing(kind, device) -> str | None:
 # The modules
 
 
+def cpu_int4_mm(one_row, rows, packed, scales):
+    """rows bf16 [n, width] times a CPU-packed int4 weight: `one_row` (native.int4_mm, or None where
+    it does not run) for a call of up to NATIVE_ROWS rows, aten's kernel for more."""
+    if one_row is not None and rows.shape[0] <= NATIVE_ROWS:
+        return one_row(rows, packed, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales)
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T + bias with W [out_features, in_features] held as 4-bit codes, group 32.
 
@@ -257,19 +265,15 @@ class Int4Linear(nn.Module):
         if self.packed.device.type != "cpu":
             return torch.ops.aten._weight_int4pack_mm(rows, self.packed, GROUP, scales)
         one_row = native.int4_mm() if rows.shape[0] <= NATIVE_ROWS else None  # asked only where it could run
-        if one_row is not None:
-            return one_row(rows, self.packed, scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, scales)
+        return cpu_int4_mm(one_row, rows, self.packed, scales)
 
     def kernel(self):
-        """The kernel as f(rows, packed, scales_and_zeros) -> [n, out_pad], chosen by rows."""
+        """The kernel as f(rows, packed, scales_and_zeros) -> [n, out_pad], chosen by rows (the
+        native op looked up once, for the lean step)."""
         if self.packed.device.type != "cpu":
             return lambda rows, packed, scales: torch.ops.aten._weight_int4pack_mm(rows, packed, GROUP, scales)
-        one_row, aten = native.int4_mm(), torch.ops.aten._weight_int4pack_mm_for_cpu
-        if one_row is None:
-            return lambda rows, packed, scales: aten(rows, packed, GROUP, scales)
-        return lambda rows, packed, scales: (one_row(rows, packed, scales) if rows.shape[0] <= NATIVE_ROWS
-                                             else aten(rows, packed, GROUP, scales))
+        one_row = native.int4_mm()
+        return lambda rows, packed, scales: cpu_int4_mm(one_row, rows, packed, scales)
 
     def lean(self, dtype):
         """This layer as one plain function for the lean decode step: rows [n, in_features] in
