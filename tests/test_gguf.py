@@ -47,6 +47,8 @@ def test_a_gguf_loads_at_its_own_width(files, kind, repeats):
     embed = model.get_input_embeddings()
     assert isinstance(embed, PackedEmbedding) and embed.table is model.lm_head
     assert weights_label(model) == f"int4: GGUF {kind} {'as stored' if repeats == 1 else 'as two exact int4 halves'} (15)"
+    # a Q4_0 block's zero is 0: its scales are kept again as a decode step reads them (test_int4_mm.py)
+    assert all((m.scales_by_block is not None) == (kind == "Q4_0" and packed_mod.native.int4_mm() is not None) for m in packed)
 
     dense, _ = load_model(files[kind], dtype="float32", quantization="none")
     ours, theirs = logits(model, tokenizer), logits(dense, tokenizer)

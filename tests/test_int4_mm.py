@@ -5,6 +5,8 @@ value per group of 32 (15 bits), so its error against the exact product of bf16 
 dequantized weight is aten's (whose bf16 inputs hold 8 significant bits), and its integer sums make
 a row's result independent of the other rows of the call and of the instruction set (VNNI or
 AVX2). Int4Linear runs it for one row and aten's kernel for more; H2O_CHAT_NATIVE=0 runs aten's.
+A symmetric weight (every zero 0: a GGUF Q4_0 file's) also keeps its scales in the order the
+kernel reads them, which it reads instead of the pairs, for the same bits.
 """
 
 import pytest
@@ -13,8 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from h2o_chat import H2OCache, native
 from h2o_chat.models.decode import Decoder
-from h2o_chat.models.packed import GROUP, Int4Linear
-from h2o_chat.models.quantize import fuse_projections, quantize_linears
+from h2o_chat.models.packed import GROUP, INT4_MM_ROWS, Int4Linear
+from h2o_chat.models.quantize import fuse, fuse_projections, quantize_linears
 from tests.conftest import make_tiny_llama
 
 needs_int4_mm = pytest.mark.skipif(native.loaded() is None or native.loaded().int4_mm is None,
@@ -29,6 +31,14 @@ def layer(out_features, in_features, seed=0, repeats=1):
     codes = torch.randint(0, 16, (out_features, 2 * in_features), dtype=torch.uint8, generator=g)
     scale = torch.rand(out_features, 2 * in_features // GROUP, generator=g) / 100
     return Int4Linear.from_codes(codes, scale, 8 * scale, in_features, repeats=2)
+
+
+def symmetric_layer(out_features, in_features, seed=0):
+    """w = (q - 8) * scale, every zero 0: a GGUF Q4_0 file's blocks."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=g)
+    scale = torch.rand(out_features, in_features // GROUP, generator=g) / 100
+    return Int4Linear.from_codes(codes, scale, torch.zeros_like(scale), in_features)
 
 
 @needs_int4_mm
@@ -68,17 +78,56 @@ def test_a_row_gets_the_same_bits_alone_as_among_other_rows():
 
 
 @needs_int4_mm
-def test_the_avx2_path_gives_the_vnni_path_s_bits():
+@pytest.mark.parametrize("make", [layer, symmetric_layer])
+def test_the_avx2_path_gives_the_vnni_path_s_bits(make):
     # the AVX2 build (maddubs + madd for dpbusd) on this machine, against the library in use
     avx2 = native.compiled(extra_flags=["-mno-avx512vnni", "-mno-avxvnni"])
-    module = layer(200, 1536, seed=5)
+    module = make(200, 1536, seed=5)
     x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    scales = module.scales_and_zeros.contiguous()
+    scales, by_block = module.scales_and_zeros.contiguous(), module.scales_by_block
     y = torch.empty(3, module.packed.shape[0], dtype=torch.bfloat16)
     status = avx2.int4_mm(3, 1536, module.packed.shape[0], x.data_ptr(), x.stride(0), module.packed.data_ptr(),
-                          scales.data_ptr(), y.data_ptr(), y.stride(0))
+                          scales.data_ptr(), None if by_block is None else by_block.data_ptr(), y.data_ptr(), y.stride(0))
     assert status == 0
-    assert torch.equal(y, native.int4_mm()(x, module.packed, scales))
+    assert torch.equal(y, native.int4_mm()(x, module.packed, scales, by_block))
+
+
+@needs_int4_mm
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64), (64, 32)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_symmetric_weight_s_scales_by_block_give_the_pairs_bits(out_features, in_features, rows):
+    module = symmetric_layer(out_features, in_features, seed=out_features + rows)
+    out_pad = module.packed.shape[0]
+    assert module.scales_by_block.shape == (out_pad // 64, in_features // GROUP, 64)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    scales = module.scales_and_zeros.contiguous()
+    pairs = native.int4_mm()(x, module.packed, scales)
+    by_block = native.int4_mm()(x, module.packed, scales, module.scales_by_block)
+    assert torch.equal(by_block, pairs) and pairs[:, :out_features].abs().min() > 0
+    # the scales by block are read, in the kernel's row order: block 0's lane 5 at 0 zeroes its row alone
+    lane = 5
+    emptied = module.scales_by_block.clone()
+    emptied[0, :, lane] = 0
+    y = native.int4_mm()(x, module.packed, scales, emptied)
+    row = INT4_MM_ROWS[lane].item()
+    assert not y[:, row].any()
+    assert torch.equal(torch.cat([y[:, :row], y[:, row + 1:]], 1), torch.cat([pairs[:, :row], pairs[:, row + 1:]], 1))
+
+
+def test_only_a_symmetric_weight_keeps_scales_by_block_and_fused_parts_share_them():
+    if native.int4_mm() is None:
+        assert symmetric_layer(64, 32).scales_by_block is None  # nothing would read them
+        return
+    assert layer(64, 32).scales_by_block is None and layer(64, 32, repeats=2).scales_by_block is None
+    parts = [symmetric_layer(out, 96, seed=out) for out in (128, 100, 64)]
+    alone = [p.scales_by_block.clone() for p in parts]
+    fused = fuse(parts).module
+    assert fused.scales_by_block.shape == (5, 3, 64)
+    for part, before in zip(parts, alone):  # each part's scales are its rows of the fused ones: no copy
+        assert part.scales_by_block.untyped_storage().data_ptr() == fused.scales_by_block.untyped_storage().data_ptr()
+        assert torch.equal(part.scales_by_block, before)
+    mixed = [symmetric_layer(64, 96), layer(64, 96)]
+    assert fuse(mixed).module.scales_by_block is None and mixed[0].scales_by_block is None
 
 
 @needs_int4_mm

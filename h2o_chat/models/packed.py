@@ -156,15 +156,38 @@ def kernel_missing(kind, device) -> str | None:
     return None
 
 
+def _int4_mm_row(i):
+    """The row of a block that native/int4_mm.c's lane i % 8 of accumulator i // 8 sums (its lane_row)."""
+    v, lane = i // 8, i % 8
+    return 32 * ((v % 4) // 2) + 8 * (v // 4) + (0 if lane < 4 else 16) + 4 * (v % 2) + lane % 4
+
+
+INT4_MM_ROWS = torch.tensor([_int4_mm_row(i) for i in range(BLOCK_ROWS)])
+
+
+def block_scales(scales_and_zeros):
+    """A symmetric weight's scales (every zero 0: a GGUF Q4_0 file's) as int4_mm reads them, bf16
+    [out_pad / 64, groups, 64]: block by block, group by group, a group's 64 in INT4_MM_ROWS order;
+    None for a weight with a nonzero zero, off a CPU, or where int4_mm does not run. 1/16 byte a
+    weight beside the pairs' 1/8; a decode step reads them instead of the pairs: half the bytes,
+    one run a block (the 1B-class Q4_0 file's matrices 1.13-1.16x, docs/engine.md). An asymmetric
+    weight keeps the pairs alone: the same copy of them measured 1.06x for 1/8 byte a weight."""
+    if scales_and_zeros.device.type != "cpu" or scales_and_zeros[..., 1].any() or native.int4_mm() is None:
+        return None
+    groups, out_pad, _ = scales_and_zeros.shape
+    scales = scales_and_zeros[..., 0].reshape(groups, out_pad // BLOCK_ROWS, BLOCK_ROWS)
+    return scales[:, :, INT4_MM_ROWS].transpose(0, 1).contiguous()
+
+
 # ---------------------------------------------------------------------------------------------
 # The modules
 
 
-def cpu_int4_mm(one_row, rows, packed, scales):
+def cpu_int4_mm(one_row, rows, packed, scales, scales_by_block=None):
     """rows bf16 [n, width] times a CPU-packed int4 weight: `one_row` (native.int4_mm, or None where
     it does not run) for a call of up to NATIVE_ROWS rows, aten's kernel for more."""
     if one_row is not None and rows.shape[0] <= NATIVE_ROWS:
-        return one_row(rows, packed, scales)
+        return one_row(rows, packed, scales, scales_by_block)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales)
 
 
@@ -172,18 +195,22 @@ class Int4Linear(nn.Module):
     """y = x @ W.T + bias with W [out_features, in_features] held as 4-bit codes, group 32.
 
     packed: the kernel's weight (CPU: uint8 [out_pad, width / 2]); scales_and_zeros: bf16
-    [width / 32, out_pad, 2]. out_pad is out_features rounded up to 64 (zero rows, sliced off).
+    [width / 32, out_pad, 2]; scales_by_block: a symmetric weight's scales again, as a decode step
+    reads them (`block_scales`), or None. out_pad is out_features rounded up to 64 (zero rows,
+    sliced off).
     `repeats` = 2 holds an 8-bit weight exactly as two 4-bit halves side by side along the
     inputs, W = W_high + W_low (see gguf.py: Q8_0), read by one kernel call on [x, x]; width is
     in_features * repeats, rounded up to 32 (zero columns; x is padded to match)."""
 
-    def __init__(self, packed, scales_and_zeros, in_features, out_features, bias=None, repeats=1, inner_k_tiles=None):
+    def __init__(self, packed, scales_and_zeros, in_features, out_features, bias=None, repeats=1, inner_k_tiles=None,
+                 scales_by_block=None):
         super().__init__()
         self.in_features, self.out_features, self.repeats = in_features, out_features, repeats
         self.width = _round_up(in_features * repeats, GROUP)
         self.inner_k_tiles = inner_k_tiles  # CUDA's layout only
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("scales_by_block", scales_by_block, persistent=False)  # derived: not saved
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -223,7 +250,8 @@ class Int4Linear(nn.Module):
             codes = F.pad(torch.cat(all_codes), (0, 0, 0, padded_out - out_features))
             packed, tiles = pack_int4_cuda(codes.to(device))
         bias = None if bias is None else bias.to(device=device, dtype=COMPUTE_DTYPE)
-        return cls(packed, scales_and_zeros.to(device), in_features, out_features, bias, repeats, tiles)
+        scales_and_zeros = scales_and_zeros.to(device)
+        return cls(packed, scales_and_zeros, in_features, out_features, bias, repeats, tiles, block_scales(scales_and_zeros))
 
     @classmethod
     def from_float(cls, weight, bias=None, device=None):
@@ -259,36 +287,32 @@ class Int4Linear(nn.Module):
 
     def matmul(self, rows):
         """The kernel: rows bf16 [n, width] -> bf16 [n, out_pad]."""
-        # contiguous(): the CPU kernel reads a sliced (strided) scales tensor as if it were dense
-        # and returns wrong numbers without a word (fused.py's parts are slices)
-        scales = self.scales_and_zeros.contiguous()
-        if self.packed.device.type != "cpu":
-            return torch.ops.aten._weight_int4pack_mm(rows, self.packed, GROUP, scales)
-        one_row = native.int4_mm() if rows.shape[0] <= NATIVE_ROWS else None  # asked only where it could run
-        return cpu_int4_mm(one_row, rows, self.packed, scales)
+        return self.kernel()(rows)
 
     def kernel(self):
-        """The kernel as f(rows, packed, scales_and_zeros) -> [n, out_pad], chosen by rows (the
-        native op looked up once, for the lean step)."""
-        if self.packed.device.type != "cpu":
-            return lambda rows, packed, scales: torch.ops.aten._weight_int4pack_mm(rows, packed, GROUP, scales)
+        """The kernel over this weight as f(rows bf16 [n, width]) -> [n, out_pad], chosen by rows
+        (the native op looked up once, for the lean step)."""
+        # contiguous(): the CPU kernel reads a sliced (strided) scales tensor as if it were dense
+        # and returns wrong numbers without a word (fused.py's parts are slices)
+        packed, scales, by_block = self.packed, self.scales_and_zeros.contiguous(), self.scales_by_block
+        if packed.device.type != "cpu":
+            return lambda rows: torch.ops.aten._weight_int4pack_mm(rows, packed, GROUP, scales)
         one_row = native.int4_mm()
-        return lambda rows, packed, scales: cpu_int4_mm(one_row, rows, packed, scales)
+        return lambda rows: cpu_int4_mm(one_row, rows, packed, scales, by_block)
 
     def lean(self, dtype):
         """This layer as one plain function for the lean decode step: rows [n, in_features] in
         `dtype` -> [n, out_features] in `dtype`, bias added. Everything that does not change per
         call (which kernel, casts, padding) is decided here."""
-        kernel = self.kernel()
-        packed, scales, bias, out = self.packed, self.scales_and_zeros.contiguous(), self.bias, self.out_features
+        kernel, bias, out = self.kernel(), self.bias, self.out_features
         cast, pad = dtype != COMPUTE_DTYPE, self.repeats > 1 or self.width != self.in_features
-        trim = scales.shape[1] != out  # the padded rows' columns are dropped
+        trim = self.scales_and_zeros.shape[1] != out  # the padded rows' columns are dropped
         if not (cast or pad or trim or bias is not None):
-            return lambda rows: kernel(rows, packed, scales)
+            return kernel
 
         def call(rows):
             rows = rows.to(COMPUTE_DTYPE) if cast else rows
-            y = kernel(self.pad_input(rows) if pad else rows, packed, scales)
+            y = kernel(self.pad_input(rows) if pad else rows)
             y = y[:, :out] if trim else y
             y = y if bias is None else y + bias
             return y.to(dtype) if cast else y
@@ -351,8 +375,9 @@ class Int4Linear(nn.Module):
         """An Int4Linear for output rows [start, stop) of this one (multiples of 64) that shares
         its packed weight; its scales are a slice too (the kernel path makes them dense)."""
         assert start % BLOCK_ROWS == 0 and stop % BLOCK_ROWS == 0 and self.packed.device.type == "cpu"
+        by_block = None if self.scales_by_block is None else self.scales_by_block[start // BLOCK_ROWS:stop // BLOCK_ROWS]
         return Int4Linear(self.packed[start:stop], self.scales_and_zeros[:, start:stop], self.in_features,
-                          stop - start, None, self.repeats)
+                          stop - start, None, self.repeats, scales_by_block=by_block)
 
     def extra_repr(self):
         kind = "8-bit as two 4-bit halves" if self.repeats == 2 else "4-bit"

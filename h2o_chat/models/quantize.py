@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .packed import COMPUTE_DTYPE, Int4Linear, Int8Linear
+from .packed import COMPUTE_DTYPE, Int4Linear, Int8Linear, block_scales
 
 PACKED = (Int4Linear, Int8Linear)
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -60,7 +60,8 @@ def fuse(parts):
         packed = torch.cat([p.packed for p in parts])
         scales = torch.cat([p.scales_and_zeros for p in parts], dim=1)
         heights = [p.packed.shape[0] for p in parts]  # padded to 64 rows each
-        fused = Int4Linear(packed, scales, first.in_features, packed.shape[0], _cat_bias(parts, heights), first.repeats)
+        fused = Int4Linear(packed, scales, first.in_features, packed.shape[0], _cat_bias(parts, heights), first.repeats,
+                           scales_by_block=block_scales(scales))
     else:
         heights = [p.out_features for p in parts]
         fused = Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
@@ -68,7 +69,7 @@ def fuse(parts):
     spans, start = [], 0
     for part, height in zip(parts, heights):
         view = fused.rows(start, start + height)
-        for name, tensor in view.named_buffers(recurse=False):
+        for name, tensor in view._buffers.items():  # None ones too: a part keeps no copy of its own
             setattr(part, name, tensor)  # the part now reads the fused weight's rows
         spans.append((start, start + part.out_features))
         start += height

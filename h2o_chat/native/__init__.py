@@ -152,7 +152,7 @@ def compiled(extra_flags=()):
     library.attend_one.argtypes = [i32, i32, i32, i32, i32, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float,
                                    ptr, i64, ptr, ptr]
     library.rotate_one.argtypes = [i32, i32, i32, i32, i32, ptr, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
-    library.int4_mm.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, ptr, i64]
+    library.int4_mm.argtypes = [i32, i32, i32, ptr, i64, ptr, ptr, ptr, ptr, i64]
     library.dequant_int4.argtypes = [i32, i32, ptr, ptr, ptr]
     library.rms_tail.argtypes = [i32, i32, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr]
     library.rms_tail.restype = None
@@ -178,16 +178,16 @@ def register(library):
                               "Tensor sin_flip, Tensor(a!) query, Tensor(b!) kv) -> ()")
         _torch_library.impl("rotate_one", run_rotate_one, "CPU")
         _torch_library.impl("rotate_one", lambda *args: None, "Meta")
-        _torch_library.define("int4_mm(Tensor x, Tensor packed, Tensor scales_and_zeros) -> Tensor")
+        _torch_library.define("int4_mm(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor? scales_by_block=None) -> Tensor")
         _torch_library.impl("int4_mm", run_int4_mm, "CPU")
-        _torch_library.impl("int4_mm", lambda x, packed, sz: x.new_empty(x.shape[0], packed.shape[0]), "Meta")
+        _torch_library.impl("int4_mm", lambda x, packed, *scales: x.new_empty(x.shape[0], packed.shape[0]), "Meta")
         _torch_library.define("dequant_int4(Tensor packed, Tensor scales_and_zeros) -> Tensor")
         _torch_library.impl("dequant_int4", run_dequant_int4, "CPU")
         _torch_library.impl("dequant_int4", lambda packed, sz: sz.new_empty(packed.shape[1] * 2, packed.shape[0]), "Meta")
         _torch_library.define("rms_tail(Tensor x, Tensor sum_sq, Tensor weight, float count, float eps, Tensor(a!) out) -> ()")
         _torch_library.impl("rms_tail", run_rms_tail, "CPU")
         _torch_library.impl("rms_tail", lambda *args: None, "Meta")
-    has_avx2 = library.int4_mm(0, 0, 0, None, 0, None, None, None, 0) != 1  # 1: built without AVX2
+    has_avx2 = library.int4_mm(0, 0, 0, None, 0, None, None, None, None, 0) != 1  # 1: built without AVX2
     ops = torch.ops.h2o_chat
     return Ops(direct(ops.attend_one.default, run_attend_one), direct(ops.rotate_one.default, run_rotate_one),
                direct(ops.int4_mm.default, run_int4_mm) if has_avx2 else None,
@@ -247,15 +247,21 @@ def run_rotate_one(y, q_start, k_start, v_start, cos, sin_flip, query, kv):
         raise ValueError(f"rotate_one: unsupported head_dim {d}")
 
 
-def run_int4_mm(x, packed, scales_and_zeros):
+def run_int4_mm(x, packed, scales_and_zeros, scales_by_block=None):
     """The op on a CPU: x [n, k] bf16 (rows dense), packed uint8 [out_pad, k / 2] in torch's CPU
     layout, scales_and_zeros bf16 [k / 32, out_pad, 2] (contiguous) -> [n, out_pad] bf16:
-    aten._weight_int4pack_mm_for_cpu's arguments and result, group 32."""
+    aten._weight_int4pack_mm_for_cpu's arguments and result, group 32. scales_by_block: a
+    symmetric weight's scales in the order the kernel reads them (packed.py), read instead of
+    the pairs; the same result."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or not (packed.is_contiguous() and scales_and_zeros.is_contiguous()):
         raise ValueError("int4_mm: x must be bf16 with dense rows, the weight and its scales contiguous")
+    if scales_by_block is not None and (scales_by_block.dtype != torch.bfloat16 or not scales_by_block.is_contiguous() or
+                                        tuple(scales_by_block.shape) != (packed.shape[0] // 64, x.shape[1] // 32, 64)):
+        raise ValueError("int4_mm: scales_by_block must be bf16 [out_pad / 64, k / 32, 64], contiguous")
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.bfloat16)
     status = _c.int4_mm(x.shape[0], x.shape[1], packed.shape[0], x.data_ptr(), x.stride(0), packed.data_ptr(),
-                        scales_and_zeros.data_ptr(), out.data_ptr(), out.stride(0))
+                        scales_and_zeros.data_ptr(), None if scales_by_block is None else scales_by_block.data_ptr(),
+                        out.data_ptr(), out.stride(0))
     if status != 0:
         raise ValueError(f"int4_mm: unsupported shapes {tuple(x.shape)} x {tuple(packed.shape)} (status {status})")
     return out

@@ -27,10 +27,16 @@
  * (attend_one.c says why); every float sum is in an order written here, so a row's result does not
  * depend on the other rows of a call, the threads, or the instruction set (tests/test_native.py).
  *
+ * A symmetric weight (every zero 0: a GGUF Q4_0 file's) may also come with its scales alone, block
+ * by block: [out_pad / 64, k / 32, 64] bf16, a group's 64 in lane_row order (packed.py:
+ * scales_by_block). They are read instead of the pairs: half the bytes, one contiguous run a block,
+ * one load an accumulator; the offset -8 scale is what the pairs' (zero - 8 scale) is with zero 0,
+ * so the bits are the same. The 1B-class Q4_0 file's 113 matrices: 1.13-1.16x (docs/engine.md).
+ *
  * Arguments: n rows of x (bf16, row r at x + r * x_stride, k inputs, a multiple of 32), the packed
- * weight [out_pad, k / 2] (out_pad a multiple of 64), its pairs [k / 32, out_pad, 2] bf16, y [n,
- * out_pad] bf16 (row r at y + r * y_stride). Returns 0, or 1 (not built for this CPU), 2 (shapes),
- * 3 (out of memory). */
+ * weight [out_pad, k / 2] (out_pad a multiple of 64), its pairs [k / 32, out_pad, 2] bf16, its
+ * scales by block or NULL, y [n, out_pad] bf16 (row r at y + r * y_stride). Returns 0, or 1 (not
+ * built for this CPU), 2 (shapes), 3 (out of memory). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,9 +88,15 @@ static inline __m256i dot_avx2(__m256i acc, __m256i u, __m256i s) {
 #define DOT(acc, u, s) dot_avx2(acc, u, s)
 #endif
 
+/* 8 bf16 -> float32 */
+static inline __m256 widen8(const uint16_t *h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+}
+
 /* One block of 64 rows for one row of x: f [64] float32, in lane_row order. Per group, 8 integer
- * accumulators of 8 lanes (the 64 rows) for each pass, then the group's scales. */
-static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *pairs_all,
+ * accumulators of 8 lanes (the 64 rows) for each pass, then the group's scales: from `scales`
+ * (this block's scales by block) where given, else from the pairs. */
+static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *pairs_all, const uint16_t *scales,
                   const int8_t *high, const int8_t *low, const float *step, const float *sum, float *f) {
     const __m256i nibble = _mm256_set1_epi8(0x0f), top16 = _mm256_set1_epi32((int)0xffff0000u);
     memset(f, 0, sizeof(float) * BLOCK);
@@ -94,7 +106,7 @@ static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *p
             acc[v] = rest[v] = _mm256_setzero_si256();
         /* the next block's pairs of this group, 256 bytes a group row (out_pad * 4 bytes) apart: k / 32
          * such streams are more than the hardware prefetcher follows, so they are asked for here */
-        if (b + 1 < out_pad / BLOCK) {
+        if (!scales && b + 1 < out_pad / BLOCK) {
             const char *next = (const char *)(pairs_all + ((size_t)g * out_pad + (size_t)(b + 1) * BLOCK) * 2);
             for (int line = 0; line < 4; line++)
                 _mm_prefetch(next + 64 * line, _MM_HINT_T0);
@@ -111,6 +123,10 @@ static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *p
                 rows[2 * part] = _mm256_unpacklo_epi16(ab, cd);
                 rows[2 * part + 1] = _mm256_unpackhi_epi16(ab, cd);
             }
+            /* the next group's codes, a step's share of its 1 KiB: worth 3% on the 1B file's
+             * matrices (64-256 KiB a block), nothing on the embedded model's (18-48 KiB) */
+            _mm_prefetch((const char *)p + GROUP * HALF, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + GROUP * HALF + 64, _MM_HINT_T0);
             int32_t four_high, four_low;
             memcpy(&four_high, high + g * GROUP + 4 * s, 4);
             memcpy(&four_low, low + g * GROUP + 4 * s, 4);
@@ -126,12 +142,18 @@ static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *p
         const __m256i *pairs = (const __m256i *)(pairs_all + ((size_t)g * out_pad + (size_t)b * BLOCK) * 2);
         __m256 x_step = _mm256_set1_ps(step[g]), x_sum = _mm256_set1_ps(sum[g]);
         for (int v = 0; v < 8; v++) {
-            int part = v / 4, nibble_v = (v % 4) / 2, second = v % 2;
-            __m256i first8 = _mm256_loadu_si256(pairs + 4 * nibble_v + part);
-            __m256i then8 = _mm256_loadu_si256(pairs + 4 * nibble_v + part + 2);
-            __m256i sz = second ? _mm256_permute2x128_si256(first8, then8, 0x31) : _mm256_permute2x128_si256(first8, then8, 0x20);
-            __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
-            __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, _mm256_castsi256_ps(_mm256_and_si256(sz, top16)));
+            __m256 scale, offset;
+            if (scales) {
+                scale = widen8(scales + (size_t)g * BLOCK + 8 * v);
+                offset = _mm256_mul_ps(_mm256_set1_ps(-8.f), scale);
+            } else {
+                int part = v / 4, nibble_v = (v % 4) / 2, second = v % 2;
+                __m256i first8 = _mm256_loadu_si256(pairs + 4 * nibble_v + part);
+                __m256i then8 = _mm256_loadu_si256(pairs + 4 * nibble_v + part + 2);
+                __m256i sz = second ? _mm256_permute2x128_si256(first8, then8, 0x31) : _mm256_permute2x128_si256(first8, then8, 0x20);
+                scale = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+                offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), scale, _mm256_castsi256_ps(_mm256_and_si256(sz, top16)));
+            }
             __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(acc[v], _mm256_set1_epi32(254)), rest[v]);
             __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, x_step), _mm256_loadu_ps(f + 8 * v));
             _mm256_storeu_ps(f + 8 * v, _mm256_fmadd_ps(offset, x_sum, t));
@@ -141,9 +163,9 @@ static void block(int k, int out_pad, int b, const uint8_t *w, const uint16_t *p
 #endif
 
 int int4_mm(int n, int k, int out_pad, const uint16_t *x, int64_t x_stride, const uint8_t *packed,
-            const uint16_t *pairs, uint16_t *y, int64_t y_stride) {
+            const uint16_t *pairs, const uint16_t *scales, uint16_t *y, int64_t y_stride) {
 #if !defined(__AVX2__)
-    (void)n, (void)k, (void)out_pad, (void)x, (void)x_stride, (void)packed, (void)pairs, (void)y, (void)y_stride;
+    (void)n, (void)k, (void)out_pad, (void)x, (void)x_stride, (void)packed, (void)pairs, (void)scales, (void)y, (void)y_stride;
     return 1;
 #else
     if (n < 1 || k < GROUP || k % GROUP || out_pad < BLOCK || out_pad % BLOCK)
@@ -164,7 +186,8 @@ int int4_mm(int n, int k, int out_pad, const uint16_t *x, int64_t x_stride, cons
     for (int b = 0; b < blocks; b++) {
         float f[BLOCK];
         for (int r = 0; r < n; r++) {
-            block(k, out_pad, b, packed + (size_t)b * BLOCK * (k / 2), pairs, codes + (size_t)2 * r * k,
+            block(k, out_pad, b, packed + (size_t)b * BLOCK * (k / 2), pairs,
+                  scales ? scales + (size_t)b * groups * BLOCK : NULL, codes + (size_t)2 * r * k,
                   codes + (size_t)(2 * r + 1) * k, numbers + (size_t)2 * r * groups, numbers + (size_t)(2 * r + 1) * groups, f);
             for (int i = 0; i < BLOCK; i++)
                 y[r * y_stride + (size_t)b * BLOCK + lane_row(i)] = to_bf16(f[i]);
