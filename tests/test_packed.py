@@ -233,6 +233,21 @@ def test_a_forward_past_kernel_rows_is_the_codes_first_matmul_bit_for_bit(dtype,
         assert torch.equal(layer(x), expected)
 
 
+def test_a_weight_with_a_non_finite_scale_dequantizes_as_torch_s_ops(monkeypatch):
+    """dequant_int4.c takes 16 weights a step only where every scale and zero is finite; a corrupt
+    file's infinity or NaN takes its weight-by-weight path: torch's ops' values, NaNs where theirs."""
+    if native.dequant_int4() is None:
+        pytest.skip("no C compiler here")
+    layer = Int4Linear.from_float(torch.randn(128, 64, generator=torch.Generator().manual_seed(14)))
+    layer.scales_and_zeros[0, 3, 0] = float("inf")  # row 3, group 0: q = 8 makes 0 * inf
+    layer.scales_and_zeros[1, 70, 1] = float("nan")
+    ours = layer.weight_t()
+    monkeypatch.setenv("H2O_CHAT_NATIVE", "0")
+    theirs = layer.weight_t()
+    assert torch.equal(ours.isnan(), theirs.isnan()) and ours.isnan().any() and ours.isinf().any()
+    assert torch.equal(ours.nan_to_num(0.0), theirs.nan_to_num(0.0))
+
+
 def test_a_prompts_embedding_reads_each_distinct_row_once_with_the_same_bits():
     """Past KERNEL_ROWS ids a lookup dequantizes each distinct id once and repeats it: the rows are
     a short lookup's, bit for bit, repeated ids and all."""
