@@ -26,14 +26,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 def make_tiny_llama(dtype=torch.float32, max_position_embeddings=512, seed=0, vocab_size=128, kv_heads=2,
-                    **overrides):
-    """kv_heads=1 gives the single-KV-head (MQA) variant."""
+                    random_norms=False, **overrides):
+    """kv_heads=1 gives the single-KV-head (MQA) variant. random_norms: the norms' weights random
+    around 1 rather than transformers' ones, for the bit-for-bit tests of the decode step: with
+    ones, a step that dropped a rounding before the weight's product, or read another layer's norm,
+    computes the same bits. (Off by default: tests elsewhere are tuned to these weights, e.g. a
+    logit bias that makes the model end its reply.)"""
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=kv_heads, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = LlamaForCausalLM(config).eval()
     model.requires_grad_(False)
+    if random_norms:
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.copy_(1 + 0.2 * torch.randn(weight.shape))
+    model = model.to(dtype)
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     return model
 

@@ -48,7 +48,7 @@ def assert_same_state(own, lean):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_lean_step_is_the_model_forward_bit_for_bit(dtype, policy, score, positions):
     # budget 16: the layers fill during the first steps, then evict; 40 steps past 2 x 16 cross a roll
-    own, lean, equal_steps = decode_both(make_tiny_llama(dtype), policy=policy, score=score, positions=positions,
+    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, random_norms=True), policy=policy, score=score, positions=positions,
                                          budget=16, n_sink=2, n_recent=6, prefill_chunk=4)
     assert equal_steps == 40
     assert_same_state(own, lean)
@@ -92,7 +92,7 @@ def test_a_cache_the_lean_step_ran_takes_the_next_message_and_a_restore(kv_quant
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_lean_step_over_int8_slots_is_the_model_forward_bit_for_bit(dtype, kv_heads, positions):
-    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, kv_heads=kv_heads), batch=2, positions=positions,
+    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, kv_heads=kv_heads, random_norms=True), batch=2, positions=positions,
                                          budget=16, n_sink=2, n_recent=6, prefill_chunk=4, kv_quant="int8")
     assert equal_steps == 40
     assert_same_state(own, lean)
@@ -103,7 +103,7 @@ def test_the_lean_step_over_int8_slots_is_the_model_forward_bit_for_bit(dtype, k
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_kv_head_lean_step(dtype, batch):
-    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, kv_heads=1), batch=batch, budget=12, n_recent=4)
+    own, lean, equal_steps = decode_both(make_tiny_llama(dtype, kv_heads=1, random_norms=True), batch=batch, budget=12, n_recent=4)
     assert equal_steps == 40
     assert_same_state(own, lean)
 

@@ -103,7 +103,7 @@ def decode_teacher_forced(monkeypatch, use_native, model, tokens, **cache_kwargs
 def test_a_bf16_model_decodes_as_on_the_aten_ops(monkeypatch, policy, score, kv_heads, kv_quant):
     # the same 60 tokens fed to both (not each one's own argmax, which a near tie could flip): the
     # layers fill, then evict; the same tokens kept, logits within a few bf16 steps of the largest
-    model = make_tiny_llama(torch.bfloat16, kv_heads=kv_heads)
+    model = make_tiny_llama(torch.bfloat16, kv_heads=kv_heads, random_norms=True)
     tokens = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(5))
     settings = dict(policy=policy, score=score, budget=16, n_sink=2, n_recent=4, kv_quant=kv_quant)
     logits, kept, op = decode_teacher_forced(monkeypatch, True, model, tokens, **settings)
