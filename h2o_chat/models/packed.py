@@ -170,7 +170,7 @@ def block_scales(scales_and_zeros):
     [out_pad / 64, groups, 64]: block by block, group by group, a group's 64 in INT4_MM_ROWS order;
     None for a weight with a nonzero zero, off a CPU, or where int4_mm does not run. 1/16 byte a
     weight beside the pairs' 1/8; a decode step reads them instead of the pairs: half the bytes,
-    one run a block (the 1B-class Q4_0 file's matrices 1.13-1.16x, docs/engine.md). An asymmetric
+    one run a block (the 1B-class Q4_0 file's matrices 1.11-1.15x, docs/engine.md). An asymmetric
     weight keeps the pairs alone: the same copy of them measured 1.06x for 1/8 byte a weight."""
     if scales_and_zeros.device.type != "cpu" or scales_and_zeros[..., 1].any() or native.int4_mm() is None:
         return None

@@ -31,7 +31,7 @@
  * by block: [out_pad / 64, k / 32, 64] bf16, a group's 64 in lane_row order (packed.py:
  * scales_by_block). They are read instead of the pairs: half the bytes, one contiguous run a block,
  * one load an accumulator; the offset -8 scale is what the pairs' (zero - 8 scale) is with zero 0,
- * so the bits are the same. The 1B-class Q4_0 file's 113 matrices: 1.13-1.16x (docs/engine.md).
+ * so the bits are the same. The 1B-class Q4_0 file's 113 matrices: 1.11-1.15x (docs/engine.md).
  *
  * Arguments: n rows of x (bf16, row r at x + r * x_stride, k inputs, a multiple of 32), the packed
  * weight [out_pad, k / 2] (out_pad a multiple of 64), its pairs [k / 32, out_pad, 2] bf16, its
