@@ -6,7 +6,11 @@
     const map = event.target;
     if (!(map instanceof Element) || !map.classList.contains("token-map")) return;
     const box = map.closest("#token-map");
-    if (!box || map.dataset.placing) return;
+    if (!box) return;
+    // the scroll that place() made is not a wish; any other is, even one in the same frame (a
+    // guard until the next frame dropped the user's scrolls while a loaded machine drew slowly)
+    if (String(map.scrollTop) === map.dataset.placedAt) return;
+    delete map.dataset.placedAt;
     box.dataset.follow = map.scrollHeight - map.scrollTop - map.clientHeight < NEAR_END_PX ? "1" : "0";
     box.dataset.scroll = String(map.scrollTop);
   }, true);
@@ -15,9 +19,8 @@
     const map = box && box.querySelector(".token-map");
     if (!map || map.dataset.placed) return;
     map.dataset.placed = "1";
-    map.dataset.placing = "1";
     map.scrollTop = box.dataset.follow === "0" ? Number(box.dataset.scroll || 0) : map.scrollHeight;
-    requestAnimationFrame(() => { delete map.dataset.placing; });
+    map.dataset.placedAt = String(map.scrollTop);
   };
   new MutationObserver(place).observe(document.documentElement, { childList: true, subtree: true });
 })();
