@@ -22,8 +22,8 @@ enum { GROUP = 32, BLOCK = 64, HALF = 32, LANES = 16 };
 
 /* 16 weights a step, as GCC's and Clang's vector types: one AVX-512 register, two AVX2 ones or
  * four NEON ones. The same steps in plain C, a weight at a time (bf16.h's to_bf16 and its NaN
- * test), were vectorized 8 lanes wide around them: the embedded model's 210 weights took 23.4-24.6
- * ms, these 15.2-15.9 (docs/engine.md). */
+ * test), were vectorized 8 lanes wide around them: the embedded model's 210 weights took 23.5-27.0
+ * ms, these 14.1-16.9 (docs/engine.md). */
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
